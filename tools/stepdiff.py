@@ -1,0 +1,63 @@
+"""The diffs between consecutive step scripts, generated from the files, and the README blocks that show them.
+
+    python tools/stepdiff.py            # check: exit 1 if README.md's diffs are stale
+    python tools/stepdiff.py --write    # regenerate README.md's diff blocks from the scripts
+
+README.md marks each generated block with `<!-- diff OLD NEW -->` ... `<!-- end diff -->`; everything between the
+two markers is replaced by a ```diff fence holding `diff -u`-style output of OLD -> NEW.
+"""
+import argparse
+import difflib
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CHAIN = ["single_gpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py"]
+MAX_SCRIPT_LINES = 150
+DIFF_BUDGET = 60  # changed lines (removed + added), as `diff OLD NEW | grep -c '^[<>]'` counts them
+BLOCK = re.compile(r"(<!-- diff (\S+) (\S+) -->\n)(.*?)(<!-- end diff -->)", re.S)
+
+
+def steps():
+    """The step scripts that exist, in teaching order."""
+    return [name for name in CHAIN if (REPO / name).exists()]
+
+
+def lines_of(name):
+    return (REPO / name).read_text().splitlines()
+
+
+def step_diff(old, new, context=2):
+    """Unified diff of two step scripts, as text."""
+    return "\n".join(difflib.unified_diff(lines_of(old), lines_of(new), old, new, n=context, lineterm=""))
+
+
+def changed_lines(old, new):
+    """Removed plus added lines between two scripts (a modified line counts twice)."""
+    ops = difflib.SequenceMatcher(None, lines_of(old), lines_of(new), autojunk=False).get_opcodes()
+    return sum((i2 - i1) + (j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal")
+
+
+def render(text):
+    """README text with every diff block regenerated from the files."""
+    return BLOCK.sub(lambda m: f"{m[1]}```diff\n{step_diff(m[2], m[3])}\n```\n{m[5]}", text)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="rewrite README.md instead of checking it")
+    args = parser.parse_args()
+    readme = REPO / "README.md"
+    current, fresh = readme.read_text(), render(readme.read_text())
+    if args.write:
+        readme.write_text(fresh)
+    elif current != fresh:
+        sys.exit("README.md's step diffs are stale: run `python tools/stepdiff.py --write`")
+    chain = steps()
+    for old, new in zip(chain, chain[1:]):
+        print(f"{old} -> {new}: {changed_lines(old, new)} changed lines")
+
+
+if __name__ == "__main__":
+    main()
