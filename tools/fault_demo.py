@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 from support import LogFollower, job_env, kill_tree, start, torchrun, torchrun_workers  # noqa: E402
 
-EPOCHS, SAVE_EVERY, KILL_AFTER = 8, 2, 4  # snapshots after epochs 1, 3, 5, 7; the kill comes during epoch 5
+EPOCHS, SAVE_EVERY, KILL_AFTER = 8, 2, 4  # snapshots after epochs 1, 3, 5, 7; the kill lands in epoch 5
 ARGS = (EPOCHS, SAVE_EVERY, "--batch_size", 8)
 # Restarted workers need a rendezvous store of their own (see README, fault tolerance).
 ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -71,14 +71,15 @@ def main():
             log.wait_for(rf"\] epoch {KILL_AFTER} \| steps", timeout=left())
             workers = torchrun_workers(job.pid, 2, restart=0, timeout=left())
             os.kill(workers[1], signal.SIGKILL)
-            say(f"SIGKILL -> rank 1 (pid {workers[1]}); the last snapshot holds epochs 0-{KILL_AFTER - 1}, "
-                f"epoch {KILL_AFTER} is lost")
+            say(f"SIGKILL -> rank 1 (pid {workers[1]}), from outside, after epoch {KILL_AFTER}")
             log.wait_for(r"failed \(exitcode: -9\)", timeout=left())  # torchrun noticed, stopped rank 0 too
             restarted = torchrun_workers(job.pid, 2, restart=1, timeout=left())
             say(f"torchrun tore the group down and started it again: TORCHELASTIC_RESTART_COUNT=1, new pids "
                 f"{restarted[0]} and {restarted[1]}")
             resumed = log.wait_for(r"\[rank 0/.*resuming from epoch (\d+), restart (\d+)", timeout=left())
-            say(f"rank 0 reloaded the snapshot: resuming from epoch {resumed[1]} (restart {resumed[2]})")
+            lost = max(0, KILL_AFTER + 1 - int(resumed[1]))  # finished before the kill, after the last snapshot
+            say(f"rank 0 reloaded the snapshot: resuming from epoch {resumed[1]} (restart {resumed[2]}); "
+                f"{lost} finished epoch(s) and the one in progress are trained again")
             code = job.wait(timeout=left())
             log.new_lines()
         finally:
