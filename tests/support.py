@@ -24,10 +24,12 @@ def script(name):
     return str(REPO / name)
 
 
-def job_env(extra=None, audit_file=None):
-    """The environment of a launched job: one CPU thread per process (this machine has 2 cores), unbuffered
+def job_env(extra=None, audit_file=None, gpu=False):
+    """The environment of a launched job: the CPU (gloo) unless gpu=True, one CPU thread per process, unbuffered
     output, and, with audit_file, a record of every file torch.save writes and which process wrote it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tests stay CPU tests on a machine with GPUs
     env.pop("LOCAL_RANK", None)
     if audit_file:
         env["PYTHONPATH"] = os.pathsep.join([str(AUDIT_DIR), env.get("PYTHONPATH", "")])
@@ -50,8 +52,8 @@ def run(cmd, cwd, timeout=120, env=None, check=True):
 def start(cmd, cwd, env=None, log=None):
     """Start a command in its own process group (so the whole tree can be killed); output goes to `log`."""
     out = open(log, "w") if log else subprocess.DEVNULL
-    return subprocess.Popen([str(part) for part in cmd], cwd=cwd, env=env or job_env(), stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen([str(part) for part in cmd], cwd=cwd, env=env or job_env(), stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def kill_tree(proc, sig=signal.SIGKILL):

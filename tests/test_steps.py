@@ -61,6 +61,14 @@ def test_torchrun_step_trains_and_snapshots_with_one_writer(tmp_path):
     assert not (tmp_path / "snapshot.pt.tmp").exists()
 
 
+def test_a_restarted_torchrun_job_resumes_after_the_last_completed_epoch(tmp_path):
+    run(torchrun("multigpu_torchrun.py", 2, 1), cwd=tmp_path)
+    resumed = run(torchrun("multigpu_torchrun.py", EPOCHS, 1), cwd=tmp_path)
+    assert "[rank 0/2 | cpu] resuming from epoch 2, restart 0" in resumed.output
+    assert sorted(epoch_losses(resumed.output)) == [2, 3], "epochs 0 and 1 were done already: none is repeated"
+    assert torch.load(tmp_path / "snapshot.pt", weights_only=True)["EPOCHS_RUN"] == EPOCHS
+
+
 def test_multinode_runs_as_two_nodes_on_localhost_with_one_writer(tmp_path):
     audit = tmp_path / "writes.tsv"
     endpoint = f"127.0.0.1:{free_port()}"
