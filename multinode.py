@@ -40,7 +40,7 @@ class Trainer:
         seen = torch.tensor([self.epochs_run, -self.epochs_run], device=device)  # every node reads its own disk:
         dist.all_reduce(seen, op=dist.ReduceOp.MAX)  # do all ranks resume from the same epoch?
         if seen[0] != -seen[1]:
-            raise SystemExit(f"error: ranks resume from different epochs ({-seen[1]} to {seen[0]}): put "
+            raise SystemExit(f"error: ranks resume from different epochs ({-int(seen[1])} to {int(seen[0])}): put "
                              "--snapshot_path on storage that every node shares")
         # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward()
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
