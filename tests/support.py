@@ -6,29 +6,21 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from tools.launch import PYTHON, REPO, TORCHRUN, epoch_losses, script, torchrun, torchrun_node
 from utils import free_port
 
-REPO = Path(__file__).resolve().parents[1]
-PYTHON = sys.executable
-TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]  # the `torchrun` command, from this interpreter
 AUDIT_DIR = Path(__file__).resolve().parent / "audit"  # its sitecustomize.py records every torch.save
 
-EPOCH_LINE = re.compile(r"\[rank (\d+)/(\d+)[^\]]*\] epoch (\d+) \| steps (\d+) \| loss ([\d.]+)|"
-                        r"\[(?:cpu|cuda[:\d]*)\] epoch (\d+) \| steps (\d+) \| loss ([\d.]+)")
 
-
-def script(name):
-    return str(REPO / name)
-
-
-def job_env(extra=None, audit_file=None):
-    """The environment of a launched job: one CPU thread per process (this machine has 2 cores), unbuffered
+def job_env(extra=None, audit_file=None, gpu=False):
+    """The environment of a launched job: the CPU (gloo) unless gpu=True, one CPU thread per process, unbuffered
     output, and, with audit_file, a record of every file torch.save writes and which process wrote it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tests stay CPU tests on a machine with GPUs
     env.pop("LOCAL_RANK", None)
     if audit_file:
         env["PYTHONPATH"] = os.pathsep.join([str(AUDIT_DIR), env.get("PYTHONPATH", "")])
@@ -51,8 +43,8 @@ def run(cmd, cwd, timeout=120, env=None, check=True):
 def start(cmd, cwd, env=None, log=None):
     """Start a command in its own process group (so the whole tree can be killed); output goes to `log`."""
     out = open(log, "w") if log else subprocess.DEVNULL
-    return subprocess.Popen([str(part) for part in cmd], cwd=cwd, env=env or job_env(), stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen([str(part) for part in cmd], cwd=cwd, env=env or job_env(), stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def kill_tree(proc, sig=signal.SIGKILL):
@@ -68,27 +60,6 @@ def kill_tree(proc, sig=signal.SIGKILL):
     except ProcessLookupError:
         pass
     proc.wait(timeout=30)
-
-
-def torchrun(name, *args, nproc=2, launcher_args=()):
-    """`torchrun --standalone --nproc_per_node=N name args...` on a free port, as a command list."""
-    return [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *launcher_args, script(name), *map(str, args)]
-
-
-def torchrun_node(name, *args, nnodes=2, nproc=1, endpoint, run_id="test", launcher_args=()):
-    """One node's torchrun of a multi-node job with c10d rendezvous at `endpoint` (host:port)."""
-    return [*TORCHRUN, f"--nnodes={nnodes}", f"--nproc_per_node={nproc}", f"--rdzv_id={run_id}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", *launcher_args, script(name), *map(str, args)]
-
-
-def epoch_losses(output):
-    """{epoch: loss} from the per-epoch lines a step prints (each epoch's last report wins)."""
-    losses = {}
-    for match in EPOCH_LINE.finditer(output):
-        groups = match.groups()
-        epoch, loss = (groups[2], groups[4]) if groups[2] is not None else (groups[5], groups[7])
-        losses[int(epoch)] = float(loss)
-    return losses
 
 
 def recorded_writes(audit_file):
