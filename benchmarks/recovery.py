@@ -88,9 +88,9 @@ def main():
     print(f"             kill -> first resumed training step   {to_step:6.2f} s   (-> first epoch line "
           f"{to_line:.2f} s)")
     print(f"ratio        recovery / cold start                  {to_step / cold_step:6.2f}")
-    print(f"work lost    {redone} finished epoch(s) since the snapshot of epoch {snapshot_epoch} trained again "
-          f"(epochs {resumed_from}-{epochs_before_kill}), plus the epoch in progress: "
-          f"{killed - snapshot_at:.2f} s of training between that snapshot and the kill")
+    print(f"work lost    {redone} finished epoch(s) since the snapshot of epoch {snapshot_epoch} "
+          f"(epochs {resumed_from}-{epochs_before_kill}) plus the one in progress, trained again:")
+    print(f"             {killed - snapshot_at:.2f} s of training between that snapshot and the kill")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ EPOCHS, SAVE_EVERY = 9, 3  # snapshots after epochs 2, 5 and 8
 ARGS = (EPOCHS, SAVE_EVERY, "--batch_size", 8)  # small batches: an epoch lasts long enough to kill a worker inside it
 NPROC = 2
 SNAPSHOT = "snapshot.pt"
-# Since torch 2.5 the restarted workers meet in the rendezvous store of the killed ones, whose stale addresses can
-# break (gloo) or hang (nccl) the new process group; with its own store per attempt every restart starts clean.
+# Since torch 2.5 restarted workers meet in the rendezvous store of the killed ones, whose stale addresses can fail
+# or hang the new process group; with a store of its own per attempt every restart starts clean (README).
 ENV = job_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 RESUMED = r"resuming from epoch (\d+), restart {restart}"
 EPOCH_DONE = r"\] epoch \d+ \| steps"
@@ -103,7 +103,7 @@ def test_a_worker_killed_at_four_points_the_job_still_ends_bitwise_identical(tmp
     output = log.path.read_text()
     assert code == 0, output
     resumed = resumes(output)
-    assert killed_before_any_snapshot and 1 not in resumed, f"the first kill came too late to test a fresh start:\n{output}"
+    assert killed_before_any_snapshot and 1 not in resumed, f"the first kill came after a snapshot:\n{output}"
     assert sorted(resumed) == [2, 3, 4], output
     assert resumed[2] >= 3 and resumed[4] >= resumed[3] + SAVE_EVERY, resumed  # typically 3, 3 (work lost), 6
     assert all(epoch % SAVE_EVERY == 0 for epoch in resumed.values()), resumed  # only from a snapshot
