@@ -74,6 +74,9 @@ def main():
         torchrun_node("multinode.py", EPOCHS, SAVE_EVERY, endpoint=endpoint, run_id="demo",
                       nproc="gpu" if GPUS >= 2 else 1) for _ in range(2)], envs)
 
+    show("Step 3 under fire: a worker SIGKILLed, torchrun restarts the group, the job resumes",
+         [[PYTHON, str(REPO / "tools" / "fault_demo.py")]])
+
     print(f"\n=== Summary ({time.perf_counter() - started:.0f} s; files in {RUN_DIR.relative_to(REPO)}/)")
     for step, output in results.items():
         losses = epoch_losses(output)
