@@ -7,8 +7,10 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from tools.netns import Host, namespaces_unavailable, network_namespaces
 from utils import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,6 +76,36 @@ def torchrun_node(name, *args, nnodes=2, nproc=1, endpoint, run_id="test", launc
             "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", *launcher_args, script(name), *map(str, args)]
 
 
+def wait_for(condition, timeout, what, interval=0.1):
+    """Poll `condition()` until it returns something truthy (returned); fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(interval)
+    raise AssertionError(f"gave up after {timeout} s waiting for {what}")
+
+
+def read_log(path):
+    return Path(path).read_text(errors="replace") if Path(path).exists() else ""
+
+
+def finish(procs, timeout):
+    """Wait for every process in `procs` (all share one deadline); return their exit codes, None for a process
+    still running at the deadline (it is then killed with its whole tree)."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for proc in procs:
+        kill_tree(proc)
+    return codes
+
+
 def epoch_losses(output):
     """{epoch: loss} from the per-epoch lines a step prints (each epoch's last report wins)."""
     losses = {}
@@ -92,5 +124,6 @@ def recorded_writes(audit_file):
     return [(int(pid), None if rank == "-" else int(rank), path) for pid, rank, path in rows]
 
 
-__all__ = ["PYTHON", "REPO", "TORCHRUN", "epoch_losses", "free_port", "job_env", "kill_tree", "recorded_writes",
-           "run", "script", "start", "torchrun", "torchrun_node"]
+__all__ = ["PYTHON", "REPO", "TORCHRUN", "Host", "epoch_losses", "finish", "free_port", "job_env", "kill_tree",
+           "namespaces_unavailable", "network_namespaces", "read_log", "recorded_writes", "run", "script", "start",
+           "torchrun", "torchrun_node", "wait_for"]
