@@ -2,6 +2,7 @@
 
 One place for it, so every test launches, bounds and parses jobs the same way.
 """
+import contextlib
 import os
 import re
 import signal
@@ -56,12 +57,35 @@ def start(cmd, cwd, env=None, log=None):
                             start_new_session=True)
 
 
+def descendants(pid):
+    """Every process started by `pid`, directly or not (read from /proc; empty where there is no /proc)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def kill_tree(proc, sig=signal.SIGKILL):
-    """Kill a process started by start() and everything it started."""
-    try:
+    """Kill a process started by start() and everything it started. torchrun starts each worker in a session of
+    its own, so killing the launcher's process group alone would leave the workers running: the group is frozen
+    first (no new children), then every descendant is signalled too."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGSTOP)
+    for pid in [*descendants(proc.pid), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+        os.killpg(proc.pid, signal.SIGCONT)  # a stopped process acts on a SIGTERM only once it runs again
     proc.wait(timeout=30)
 
 
@@ -124,6 +148,6 @@ def recorded_writes(audit_file):
     return [(int(pid), None if rank == "-" else int(rank), path) for pid, rank, path in rows]
 
 
-__all__ = ["PYTHON", "REPO", "TORCHRUN", "Host", "epoch_losses", "finish", "free_port", "job_env", "kill_tree",
+__all__ = ["PYTHON", "REPO", "TORCHRUN", "Host", "descendants", "epoch_losses", "finish", "free_port", "job_env", "kill_tree",
            "namespaces_unavailable", "network_namespaces", "read_log", "recorded_writes", "run", "script", "start",
            "torchrun", "torchrun_node", "wait_for"]
