@@ -4,8 +4,10 @@ A network namespace has its own interfaces, addresses, routes and loopback, so a
 process in another over 127.0.0.1: exactly like two machines on a LAN. Used by `make two-hosts`
 (tools/two_hosts.py) and by the multi-node tests. Needs root.
 """
+import contextlib
 import os
 import shlex
+import signal
 import shutil
 import subprocess
 from contextlib import contextmanager
@@ -71,6 +73,10 @@ def network_namespaces(count, tag="h", echo=None):
             ip("-n", host.name, "link", "set", "lo", "up")
         yield f"{subnet}.1", hosts
     finally:
-        for host in hosts:  # deleting a namespace deletes its veth end, and with it the peer on the bridge
-            ip("netns", "del", host.name, check=False)
+        for host in hosts:  # switch the "machine" off: whatever still runs in it, then the namespace itself
+            pids = subprocess.run(["ip", "netns", "pids", host.name], capture_output=True, text=True, timeout=30)
+            for pid in pids.stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            ip("netns", "del", host.name, check=False)  # takes its veth end, and with it the peer on the bridge
         ip("link", "del", bridge, check=False)

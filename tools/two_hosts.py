@@ -44,6 +44,7 @@ def _relay(stream, label):
 
 
 def main():
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped (SIGTERM): cleaning up"))  # run the finally blocks
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("total_epochs", nargs="?", default=4, type=int)
     parser.add_argument("save_every", nargs="?", default=2, type=int)
