@@ -14,9 +14,10 @@ from support import finish, free_port, job_env, kill_tree, read_log, start, torc
 
 pytestmark = pytest.mark.slow
 EPOCHS, SAVE_EVERY = 20, 2
-# How fast the survivor re-forms the job (see the README's elastic section for the trade-offs): it waits
-# last_call_timeout for latecomers once the minimum number of nodes is there, and gives up after join_timeout.
-RDZV_CONF = "join_timeout=60,last_call_timeout=5,close_timeout=10"
+# How fast the survivor re-forms the job (the README's elastic section explains the trade-offs): a node whose agent
+# missed keep_alive_max_attempt heartbeats, one every keep_alive_interval s, is dead (default 3 x 5 s); once the
+# minimum number of nodes is there, the rendezvous still waits last_call_timeout s for latecomers (default 30).
+RDZV_CONF = "join_timeout=60,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 def test_surviving_node_reforms_the_job_resumes_and_finishes_on_the_resharded_data(tmp_path):
