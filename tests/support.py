@@ -4,33 +4,24 @@ One place for it, so every test launches, bounds and parses jobs the same way.
 """
 import contextlib
 import os
-import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from tools.launch import PYTHON, REPO, TORCHRUN, epoch_losses, script, torchrun, torchrun_node
 from tools.netns import Host, namespaces_unavailable, network_namespaces
 from utils import free_port
 
-REPO = Path(__file__).resolve().parents[1]
-PYTHON = sys.executable
-TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]  # the `torchrun` command, from this interpreter
 AUDIT_DIR = Path(__file__).resolve().parent / "audit"  # its sitecustomize.py records every torch.save
 
-EPOCH_LINE = re.compile(r"\[rank (\d+)/(\d+)[^\]]*\] epoch (\d+) \| steps (\d+) \| loss ([\d.]+)|"
-                        r"\[(?:cpu|cuda[:\d]*)\] epoch (\d+) \| steps (\d+) \| loss ([\d.]+)")
 
-
-def script(name):
-    return str(REPO / name)
-
-
-def job_env(extra=None, audit_file=None):
-    """The environment of a launched job: one CPU thread per process (this machine has 2 cores), unbuffered
+def job_env(extra=None, audit_file=None, gpu=False):
+    """The environment of a launched job: the CPU (gloo) unless gpu=True, one CPU thread per process, unbuffered
     output, and, with audit_file, a record of every file torch.save writes and which process wrote it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tests stay CPU tests on a machine with GPUs
     env.pop("LOCAL_RANK", None)
     if audit_file:
         env["PYTHONPATH"] = os.pathsep.join([str(AUDIT_DIR), env.get("PYTHONPATH", "")])
@@ -53,8 +44,8 @@ def run(cmd, cwd, timeout=120, env=None, check=True):
 def start(cmd, cwd, env=None, log=None):
     """Start a command in its own process group (so the whole tree can be killed); output goes to `log`."""
     out = open(log, "w") if log else subprocess.DEVNULL
-    return subprocess.Popen([str(part) for part in cmd], cwd=cwd, env=env or job_env(), stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen([str(part) for part in cmd], cwd=cwd, env=env or job_env(), stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def descendants(pid):
@@ -89,17 +80,6 @@ def kill_tree(proc, sig=signal.SIGKILL):
     proc.wait(timeout=30)
 
 
-def torchrun(name, *args, nproc=2, launcher_args=()):
-    """`torchrun --standalone --nproc_per_node=N name args...` on a free port, as a command list."""
-    return [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *launcher_args, script(name), *map(str, args)]
-
-
-def torchrun_node(name, *args, nnodes=2, nproc=1, endpoint, run_id="test", launcher_args=()):
-    """One node's torchrun of a multi-node job with c10d rendezvous at `endpoint` (host:port)."""
-    return [*TORCHRUN, f"--nnodes={nnodes}", f"--nproc_per_node={nproc}", f"--rdzv_id={run_id}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", *launcher_args, script(name), *map(str, args)]
-
-
 def wait_for(condition, timeout, what, interval=0.1):
     """Poll `condition()` until it returns something truthy (returned); fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -130,16 +110,6 @@ def finish(procs, timeout):
     return codes
 
 
-def epoch_losses(output):
-    """{epoch: loss} from the per-epoch lines a step prints (each epoch's last report wins)."""
-    losses = {}
-    for match in EPOCH_LINE.finditer(output):
-        groups = match.groups()
-        epoch, loss = (groups[2], groups[4]) if groups[2] is not None else (groups[5], groups[7])
-        losses[int(epoch)] = float(loss)
-    return losses
-
-
 def recorded_writes(audit_file):
     """[(pid, rank or None, path), ...] for every torch.save the audited processes made."""
     if not Path(audit_file).exists():
@@ -148,6 +118,6 @@ def recorded_writes(audit_file):
     return [(int(pid), None if rank == "-" else int(rank), path) for pid, rank, path in rows]
 
 
-__all__ = ["PYTHON", "REPO", "TORCHRUN", "Host", "descendants", "epoch_losses", "finish", "free_port", "job_env", "kill_tree",
-           "namespaces_unavailable", "network_namespaces", "read_log", "recorded_writes", "run", "script", "start",
-           "torchrun", "torchrun_node", "wait_for"]
+__all__ = ["PYTHON", "REPO", "TORCHRUN", "Host", "descendants", "epoch_losses", "finish", "free_port", "job_env",
+           "kill_tree", "namespaces_unavailable", "network_namespaces", "read_log", "recorded_writes", "run", "script",
+           "start", "torchrun", "torchrun_node", "wait_for"]

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository
+from tools.launch import REPO  # noqa: E402
 from tools.netns import PREFIX, namespaces_unavailable, network_namespaces  # noqa: E402
 from utils import free_port  # noqa: E402
 

@@ -21,8 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository
+from tools.launch import REPO, TORCHRUN  # noqa: E402
 from tools.netns import namespaces_unavailable, network_namespaces  # noqa: E402
 
 PORT = 29500
@@ -32,7 +32,7 @@ def node_command(host, head, *script_args, nnodes=2, set_ifname=True, launcher_a
     """One node's command line: torchrun inside `host`'s namespace, meeting at `head`'s c10d rendezvous store."""
     env = [f"GLOO_SOCKET_IFNAME={host.ifname}", f"NCCL_SOCKET_IFNAME={host.ifname}"] if set_ifname else []
     hosting = ["--rdzv_conf", "is_host=1"] if host is head else []  # a conf given later on the line wins
-    return host.cmd("env", *env, sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+    return host.cmd("env", *env, *TORCHRUN, f"--nnodes={nnodes}",
                     "--nproc_per_node=1", "--rdzv_id=two-hosts", "--rdzv_backend=c10d",
                     f"--rdzv_endpoint={head.ip}:{PORT}", f"--local_addr={host.ip}", *hosting, *launcher_args,
                     str(REPO / script), *map(str, script_args))
