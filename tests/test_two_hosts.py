@@ -34,8 +34,9 @@ def test_two_hosts_train_over_their_own_addresses_with_one_writer(hosts, tmp_pat
     audit = tmp_path / "writes.tsv"
     codes, logs = run_nodes(hosts, tmp_path, EPOCHS, 2, "--timeout", 20, limit=120, audit=audit)
     assert codes == [0, 0], "\n".join(logs)
-    assert_learned(logs[0])
-    assert "[rank 0/2 |" in logs[0] and "epoch" not in logs[1], "only global rank 0 (on the head) reports"
+    reporting = [log for log in logs if "epoch" in log]
+    assert len(reporting) == 1 and "[rank 0/2 |" in reporting[0], "only global rank 0, on one of the hosts, reports"
+    assert_learned(reporting[0])
     assert_one_writer(audit, tmp_path / "snapshot.pt")  # the folder both hosts use plays the shared file system
     assert {rank for _, rank, _ in recorded_writes(audit)} == {0}
 
