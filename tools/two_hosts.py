@@ -31,7 +31,7 @@ PORT = 29500
 def node_command(host, head, *script_args, nnodes=2, set_ifname=True, launcher_args=(), script="multinode.py"):
     """One node's command line: torchrun inside `host`'s namespace, meeting at `head`'s c10d rendezvous store."""
     env = [f"GLOO_SOCKET_IFNAME={host.ifname}", f"NCCL_SOCKET_IFNAME={host.ifname}"] if set_ifname else []
-    hosting = ["--rdzv_conf", "is_host=1"] if host is head else []  # a conf given later on the line wins
+    hosting = ["--rdzv_conf", "is_host=1"] if host is head else []  # its hostname does not resolve to head.ip
     return host.cmd("env", *env, *TORCHRUN, f"--nnodes={nnodes}",
                     "--nproc_per_node=1", "--rdzv_id=two-hosts", "--rdzv_backend=c10d",
                     f"--rdzv_endpoint={head.ip}:{PORT}", f"--local_addr={host.ip}", *hosting, *launcher_args,
