@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
-from support import LogFollower, job_env, kill_tree, start, torchrun, torchrun_workers  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.launch import LogFollower, job_env, kill_tree, start, torchrun, torchrun_workers  # noqa: E402
 from utils import positive_int  # noqa: E402
 
 TRAIN_SAMPLES = 2048  # the synthetic workload's training set: what one epoch reports samples per second over

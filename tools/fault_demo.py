@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
-from support import LogFollower, job_env, kill_tree, start, torchrun, torchrun_workers  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.launch import LogFollower, job_env, kill_tree, start, torchrun, torchrun_workers  # noqa: E402
 
 EPOCHS, SAVE_EVERY, KILL_AFTER = 8, 2, 4  # snapshots after epochs 1, 3, 5, 7; the kill lands in epoch 5
 ARGS = (EPOCHS, SAVE_EVERY, "--batch_size", 8)
