@@ -63,6 +63,21 @@ def kill_tree(proc, sig=signal.SIGKILL):
     proc.wait(timeout=30)
 
 
+def child_pids(pid, command_contains=""):
+    """The processes whose parent is `pid` and whose command line contains `command_contains` (Linux /proc):
+    e.g. the workers a torchrun agent started, found by their script's name."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "(command name)": state, ppid
+            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # the process ended while we looked
+            continue
+        if parent == pid and command_contains in command:
+            children.append(int(stat.parent.name))
+    return children
+
+
 def torchrun(name, *args, nproc=2, launcher_args=()):
     """`torchrun --standalone --nproc_per_node=N name args...` on a free port, as a command list."""
     return [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *launcher_args, script(name), *map(str, args)]
@@ -92,5 +107,5 @@ def recorded_writes(audit_file):
     return [(int(pid), None if rank == "-" else int(rank), path) for pid, rank, path in rows]
 
 
-__all__ = ["PYTHON", "REPO", "TORCHRUN", "epoch_losses", "free_port", "job_env", "kill_tree", "recorded_writes",
-           "run", "script", "start", "torchrun", "torchrun_node"]
+__all__ = ["PYTHON", "REPO", "TORCHRUN", "child_pids", "epoch_losses", "free_port", "job_env", "kill_tree",
+           "recorded_writes", "run", "script", "start", "torchrun", "torchrun_node"]
