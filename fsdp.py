@@ -11,8 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
@@ -37,8 +36,9 @@ class Trainer:
         self.model = model.to(device)
         for module in [*model.children(), model] if fsdp else []:  # each block, then the root: a block's full
             fully_shard(module, **fsdp)  # weights exist only while it runs; its parameters become 1/N shards
+        optimizer.__init__(model.parameters(), **optimizer.defaults)  # anew on FSDP's shards; the full tensors go
         self.train_data = train_data
-        self.optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)  # on the parameters FSDP made
+        self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.save_every = save_every
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
@@ -55,7 +55,7 @@ class Trainer:
             dcp.load(snapshot, checkpoint_id=self.snapshot_path)  # fills the tensors above in place
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
             epochs_run = snapshot["EPOCHS_RUN"]
-        except Exception as error:  # garbage bytes, another model's snapshot, a missing key
+        except (Exception, dcp.CheckpointException) as error:  # garbage bytes, another model's snapshot, a missing key
             raise SystemExit(f"error: cannot resume from {self.snapshot_path} ({type(error).__name__}: "
                              f"{str(error).splitlines()[0]}); it is left in place: move it away to start anew")
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
@@ -122,7 +122,7 @@ def main(args):
                       args.save_every, args.snapshot_path, fsdp, args.verbose)
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
-    full_model = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full_model = get_state_dict(trainer.model, [], options=StateDictOptions(full_state_dict=True, cpu_offload=True))[0]
     if trainer.global_rank == 0:
         torch.save(full_model, "model_full.pt")  # the shards gathered into one plain state_dict: no torch.distributed
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
