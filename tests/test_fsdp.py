@@ -97,7 +97,7 @@ def test_fsdp_holds_a_world_size_share_of_the_training_state_that_ddp_copies(wid
 
 
 def test_a_killed_worker_resumes_from_the_sharded_snapshot_after_the_restart(tmp_path):
-    epochs = 10
+    epochs = 6
     log = tmp_path / "job.log"
     # torchrun shares its rendezvous store with the workers by default; after a restart, a gloo worker can then
     # read its peer's address from the previous attempt and fail to connect (seen with torch 2.14): not shared here
