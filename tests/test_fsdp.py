@@ -107,7 +107,7 @@ def test_a_killed_worker_resumes_from_the_sharded_snapshot_after_the_restart(tmp
         while not (tmp_path / "snapshot").exists():  # the first snapshot (after epoch 1) is in place
             assert job.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
-        os.kill(torchrun_workers(job.pid, 2)[1], signal.SIGKILL)  # no handler runs, nothing is cleaned up: like a crashed machine
+        os.kill(torchrun_workers(job.pid, 2)[1], signal.SIGKILL)  # no handler, no cleanup: a crash
         assert job.wait(timeout=150) == 0, log.read_text()
     finally:
         kill_tree(job)
