@@ -25,3 +25,14 @@ two-hosts: $(STAMP)  ## multinode.py on two network namespaces with their own IP
 
 mini-slurm: $(STAMP)  ## slurm/multinode.sbatch on a real two-node Slurm on this machine (root, slurm-wlm, munge)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) tools/minislurm.py 4 2
+
+# Step 5 (fsdp.py): the figures its README section quotes. Files they write go to runs/ (ignored by git).
+.PHONY: fsdp-memory dataparallel-vs-ddp
+
+fsdp-memory: $(STAMP)  ## per-rank memory of the wide workload: FSDP, then DDP (2 processes)
+	for strategy in fsdp ddp; do mkdir -p runs/$$strategy && (cd runs/$$strategy && \
+		$(abspath $(PY)) -m torch.distributed.run --standalone --nproc_per_node=2 $(CURDIR)/fsdp.py 2 2 \
+		--workload wide --verbose --strategy $$strategy) || exit 1; done
+
+dataparallel-vs-ddp: $(STAMP)  ## nn.DataParallel against DDP (on a CPU: one process against several)
+	$(PY) benchmarks/dataparallel_vs_ddp.py

@@ -1,6 +1,7 @@
-"""Small helpers used by every step: argument checks, CPU threads, a free port."""
+"""Small helpers used by every step: argument checks, CPU threads, a free port, swapping a directory in."""
 import argparse
 import os
+import shutil
 import socket
 import sys
 
@@ -53,3 +54,13 @@ def require_torchrun(example="torchrun --standalone --nproc_per_node=2"):
     if torch.cuda.is_available() and processes > gpus:
         raise SystemExit(f"error: {processes} processes on this machine but {gpus} GPU(s): one process per GPU "
                          f"(--nproc_per_node=gpu)")
+
+
+def replace_directory(source, target):
+    """Put the finished directory `source` where `target` is (a new sharded snapshot in place of the last one).
+
+    os.replace swaps files atomically but refuses a non-empty target directory, so the old one goes first: a crash
+    in between leaves no `target` and `source` whole, never a half-written `target` that would be taken as good.
+    """
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(source, target)

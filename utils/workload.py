@@ -69,17 +69,23 @@ def evaluate(model, dataset, loss_fn, device, classification=False, batch_size=2
 
     Each rank scores every world_size-th sample, without DistributedSampler's padding, so no sample is
     counted twice; the sums are then all-reduced. Call it on every rank.
+
+    Every rank runs the same number of forward passes (a rank with fewer samples ends on an empty batch):
+    an FSDP model all-gathers its parameters inside forward, which needs every rank to take part.
     """
     model = getattr(model, "module", model)  # the plain model: DDP's forward may sync buffers between ranks
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     indices = range(rank, len(dataset), world_size)
+    most_indices = len(range(0, len(dataset), world_size))  # rank 0's share, the largest
     totals = torch.zeros(3, device=device)  # [summed loss, correct predictions, samples]
     was_training = model.training
     model.eval()
-    for start in range(0, len(indices), batch_size):
+    for start in range(0, most_indices, batch_size):
         source, targets = dataset[list(indices[start:start + batch_size])]
         source, targets = source.to(device), targets.to(device)
         output = model(source)
+        if len(source) == 0:  # this rank is out of samples; it ran the model only to keep in step with the others
+            continue
         totals[0] += loss_fn(output, targets) * len(source)
         if classification:
             totals[1] += (output.argmax(dim=1) == targets).sum()

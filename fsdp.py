@@ -1,0 +1,150 @@
+"""Step 5 - FSDP: parameters, gradients and optimizer state split across the ranks; DDP (--strategy ddp) copies them.
+
+    torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job1 --rdzv_backend=c10d --rdzv_endpoint=HEAD:29500 \
+        fsdp.py 50 10 --workload wide --verbose      # the same command on every node; HEAD: the first node
+"""
+import argparse
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from utils import WORKLOADS, configure_cpu_threads, evaluate, make_workload, positive_int, require_torchrun
+from utils import log_memory, replace_directory
+
+
+def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process drives its own GPU
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet at MASTER_ADDR:PORT
+                            timeout=timedelta(seconds=timeout_s))  # hang -> error
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer, loss_fn, device, save_every, snapshot_path, fsdp, verbose):
+        self.local_rank = int(os.environ["LOCAL_RANK"])  # its number on this node: picks the GPU
+        self.global_rank = int(os.environ["RANK"])  # its number in the whole job: logs, and the one writer
+        self.device = device
+        self.model = model.to(device)
+        for module in [*model.children(), model] if fsdp else []:  # each block, then the root: a block's full
+            fully_shard(module, **fsdp)  # weights exist only while it runs; its parameters become 1/N shards
+        optimizer.__init__(model.parameters(), **optimizer.defaults)  # anew on FSDP's shards; the full tensors go
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.save_every = save_every
+        self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
+        self.snapshot_path = snapshot_path
+        self.verbose = verbose
+        self.epochs_run = self._load_snapshot() if os.path.exists(snapshot_path) else 0  # epochs already done
+        # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward()
+        self.model = self.model if fsdp else DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def _load_snapshot(self):
+        try:  # each rank reads only its own shards, into the (sharded) state it already has
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state, EPOCHS_RUN=0)
+            dcp.load(snapshot, checkpoint_id=self.snapshot_path)  # fills the tensors above in place
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+            epochs_run = snapshot["EPOCHS_RUN"]
+        except (Exception, dcp.CheckpointException) as error:  # garbage bytes, another model's snapshot, a missing key
+            raise SystemExit(f"error: cannot resume from {self.snapshot_path} ({type(error).__name__}: "
+                             f"{str(error).splitlines()[0]}); it is left in place: move it away to start anew")
+        print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
+        return epochs_run
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _run_epoch(self, epoch):
+        start = time.perf_counter()
+        self.train_data.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
+        totals = torch.zeros(2, device=self.device)  # [summed loss, samples]: stays on the device, no per-step sync
+        for source, targets in self.train_data:
+            source, targets = source.to(self.device), targets.to(self.device)
+            totals[0] += self._run_batch(source, targets) * len(source)
+            totals[1] += len(source)
+        dist.all_reduce(totals)  # summed over ranks (gloo has no AVG): the loss below is every rank's mean
+        mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
+        samples_per_s = totals[1].item() / (time.perf_counter() - start)
+        if self.global_rank == 0:
+            print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
+                  f"{samples_per_s:,.0f} samples/s")
+
+    def _save_snapshot(self, epoch):
+        snapshot = dict(zip(["MODEL_STATE", "OPTIMIZER_STATE"], get_state_dict(self.model, self.optimizer)),
+                        EPOCHS_RUN=epoch + 1)  # all it takes to go on exactly (the data order is the sampler's)
+        dcp.save(snapshot, checkpoint_id=f"{self.snapshot_path}.tmp")  # a new directory: the last one stays whole
+
+    def train(self, max_epochs):
+        log_memory("start", self.model, self.optimizer, self.device, self.verbose)  # every rank's, in one table
+        for epoch in range(self.epochs_run, max_epochs):
+            self._run_epoch(epoch)
+            log_memory(f"after epoch {epoch}", self.model, self.optimizer, self.device, self.verbose)
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
+                self._save_snapshot(epoch)  # every rank writes its own shards, so every rank takes part
+                if self.global_rank == 0:  # one writer in the whole job, not one per node
+                    replace_directory(f"{self.snapshot_path}.tmp", self.snapshot_path)  # a crash before: never read
+                    print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
+        log_memory("end", self.model, self.optimizer, self.device, self.verbose)
+
+
+def load_train_objs(workload_name):
+    return make_workload(workload_name)  # dataset, held-out split, model, optimizer, loss: one call, every step
+
+
+def prepare_dataloader(dataset: Dataset, batch_size: int):
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
+                      sampler=DistributedSampler(dataset))  # each rank gets its own 1/world_size of the data
+
+
+def main(args):
+    ddp_setup(args.timeout)
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only the processes of this node share its cores
+    workload = load_train_objs(args.workload)
+    train_data = prepare_dataloader(workload.train_set, args.batch_size)
+    fsdp = args.strategy == "fsdp" and dict(mp_policy=MixedPrecisionPolicy(torch.bfloat16 if args.bf16 else None),
+                                            offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy())
+    trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
+                      args.save_every, args.snapshot_path, fsdp, args.verbose)
+    trainer.train(args.total_epochs)
+    metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
+    full_model = get_state_dict(trainer.model, [], options=StateDictOptions(full_state_dict=True, cpu_offload=True))[0]
+    if trainer.global_rank == 0:
+        torch.save(full_model, "model_full.pt")  # the shards gathered into one plain state_dict: no torch.distributed
+        print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("total_epochs", type=positive_int, help="Total epochs to train the model")
+    parser.add_argument("save_every", type=positive_int, help="How often to save (in epochs)")
+    parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")
+    parser.add_argument("--workload", default="synthetic", choices=WORKLOADS, help="What to train")
+    parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
+    parser.add_argument("--snapshot_path", default="snapshot", help="Directory of the sharded snapshot")
+    parser.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp"], help="Shard the model or copy it")
+    parser.add_argument("--bf16", action="store_true", help="FSDP on GPUs: compute in bfloat16")
+    parser.add_argument("--cpu_offload", action="store_true", help="FSDP on GPUs: keep the shards in CPU memory")
+    parser.add_argument("--verbose", action="store_true", help="Print every rank's memory at each epoch")
+    args = parser.parse_args()
+
+    if (args.bf16 or args.cpu_offload) and not (args.strategy == "fsdp" and torch.cuda.is_available()):
+        raise SystemExit("error: --bf16 and --cpu_offload are options of --strategy fsdp on CUDA GPUs")
+    require_torchrun("torchrun --nnodes=2 --nproc_per_node=1 --rdzv_id=job1 --rdzv_backend=c10d "
+                     "--rdzv_endpoint=HEAD:29500")  # a clear error for plain `python`, or more processes than GPUs
+    main(args)

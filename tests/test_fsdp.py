@@ -1,0 +1,177 @@
+"""fsdp.py, the sharded step: FSDP trains exactly as DDP does while each rank holds 1/world_size of the training
+state, its sharded snapshot survives a killed worker, its exported model is a plain state_dict, and --verbose prints
+every rank's memory in one table."""
+import os
+import re
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import TensorDataset
+
+from support import PYTHON, epoch_losses, job_env, kill_tree, run, script, start, torchrun, torchrun_workers
+from utils import evaluate, free_port, make_workload
+from utils.memory import memory_tables
+
+EPOCHS = 2
+WIDE = ["--workload", "wide", "--batch_size", 64, "--verbose"]  # large enough for sharding to show
+
+
+@pytest.fixture(scope="module")
+def wide_runs(tmp_path_factory):
+    """The wide workload trained on 2 CPU processes, twice on the same data: sharded (FSDP) and replicated (DDP)."""
+    runs = {}
+    for strategy in ("fsdp", "ddp"):
+        cwd = tmp_path_factory.mktemp(strategy)
+        runs[strategy] = run(torchrun("fsdp.py", EPOCHS, 1, *WIDE, "--strategy", strategy), cwd=cwd, timeout=180)
+        runs[strategy].cwd = cwd
+    return runs
+
+
+def held_out_loss(output):
+    return float(re.search(r"held-out \d+ samples \| loss ([\d.]+)", output)[1])
+
+
+def test_fsdp_follows_the_same_loss_trajectory_as_ddp(wide_runs):
+    fsdp, ddp = (epoch_losses(wide_runs[s].output) for s in ("fsdp", "ddp"))
+    assert sorted(fsdp) == sorted(ddp) == list(range(EPOCHS)), wide_runs["fsdp"].output
+    assert fsdp[EPOCHS - 1] < 0.7 * fsdp[0], f"the loss did not fall: {fsdp}"
+    for epoch in range(EPOCHS):  # the same averaged gradients, summed in another order: equal to print precision
+        assert fsdp[epoch] == pytest.approx(ddp[epoch], abs=2e-4), (fsdp, ddp)
+    assert held_out_loss(wide_runs["fsdp"].output) == pytest.approx(held_out_loss(wide_runs["ddp"].output), abs=2e-4)
+
+
+def test_exported_full_model_is_the_gathered_snapshot_and_loads_without_distributed(wide_runs):
+    cwd = wide_runs["fsdp"].cwd
+    assert not (cwd / "snapshot.tmp").exists(), "the new snapshot directory was not swapped in"
+    dcp_to_torch_save(cwd / "snapshot", cwd / "snapshot_gathered.pt")  # the shards of every rank, put together
+    snapshot = torch.load(cwd / "snapshot_gathered.pt", weights_only=False)
+    exported = torch.load(cwd / "model_full.pt", map_location="cpu", weights_only=True)
+    assert snapshot["EPOCHS_RUN"] == EPOCHS
+    assert exported.keys() == snapshot["MODEL_STATE"].keys()
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, snapshot["MODEL_STATE"][name]), name
+
+    model = make_workload("wide").model  # a plain model in this process: no process group anywhere
+    model.load_state_dict(exported)
+    workload = make_workload("wide")
+    metrics = evaluate(model, workload.eval_set, workload.loss_fn, torch.device("cpu"))
+    assert metrics["loss"] == pytest.approx(held_out_loss(wide_runs["fsdp"].output), abs=2e-4)
+
+
+def test_verbose_prints_one_memory_table_per_stage_with_a_row_per_rank(wide_runs):
+    for strategy, proc in wide_runs.items():
+        tables = memory_tables(proc.output)
+        assert list(tables) == ["start", *(f"after epoch {e}" for e in range(EPOCHS)), "end"], proc.output
+        for stage, rows in tables.items():
+            assert [row["rank"] for row in rows] == [0, 1], (strategy, stage, rows)
+            assert [row["local"] for row in rows] == [0, 1]  # one node: local rank == rank
+            for row in rows:
+                assert row["device"] in ("cpu", f"cuda:{row['local']}")
+                assert 50 < row["now MiB"] <= row["peak MiB"] < 16_000, row  # a Python process with torch loaded
+                assert row["state MiB"] == pytest.approx(row["params MiB"] + row["grads MiB"] + row["optim MiB"],
+                                                         abs=0.02)
+        for row in tables["start"]:  # before the first step: no gradients, Adam's moments not yet created
+            assert row["grads MiB"] == 0 and row["optim MiB"] == 0, row
+        for row in tables["end"]:  # Adam keeps two moments per parameter
+            assert row["optim MiB"] == pytest.approx(2 * row["params MiB"], rel=0.02), row
+
+
+def test_fsdp_holds_a_world_size_share_of_the_training_state_that_ddp_copies(wide_runs):
+    fsdp, ddp = (memory_tables(wide_runs[s].output)["end"] for s in ("fsdp", "ddp"))
+    full = make_workload("wide").model
+    full_mib = sum(p.numel() * p.element_size() for p in full.parameters()) / 2**20
+    for row in ddp:  # every DDP rank holds everything: parameters, gradients, Adam's two moments
+        assert row["params MiB"] == pytest.approx(full_mib, rel=0.01)
+        assert row["state MiB"] == pytest.approx(4 * full_mib, rel=0.01)
+    for fsdp_row, ddp_row in zip(fsdp, ddp):  # each FSDP rank: its shard, 1/world_size of it
+        assert fsdp_row["params MiB"] == pytest.approx(ddp_row["params MiB"] / 2, rel=0.02), (fsdp_row, ddp_row)
+        assert fsdp_row["state MiB"] == pytest.approx(ddp_row["state MiB"] / 2, rel=0.02), (fsdp_row, ddp_row)
+    assert sum(row["params MiB"] for row in fsdp) == pytest.approx(full_mib, rel=0.01)  # one copy, split
+
+
+def test_a_killed_worker_resumes_from_the_sharded_snapshot_after_the_restart(tmp_path):
+    epochs = 6
+    log = tmp_path / "job.log"
+    # restarted workers get a rendezvous store of their own, not one holding the killed ones' addresses (README)
+    env = job_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    job = start(torchrun("fsdp.py", epochs, 2, launcher_args=["--max-restarts=1"]), cwd=tmp_path, env=env, log=log)
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "snapshot").exists():  # the first snapshot (after epoch 1) is in place
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        os.kill(torchrun_workers(job.pid, 2)[1], signal.SIGKILL)  # no handler, no cleanup: a crash
+        assert job.wait(timeout=150) == 0, log.read_text()
+    finally:
+        kill_tree(job)
+    output = log.read_text()
+    resumed = re.findall(r"\[rank (\d)/2[^\]]*\] resuming from epoch (\d+), restart 1", output)
+    assert sorted(rank for rank, _ in resumed) == ["0", "1"], output
+    resumed_at = int(resumed[0][1])
+    assert resumed_at in range(2, epochs, 2), output  # a whole number of saves (every 2 epochs), not epoch 0
+    after_restart = epoch_losses(output[output.index("resuming from epoch"):])
+    assert sorted(after_restart) == list(range(resumed_at, epochs)), output
+    first_run = epoch_losses(output[:output.index("resuming from epoch")])
+    assert after_restart[resumed_at] < 0.5 * first_run[0], "the restart did not start from the trained weights"
+
+
+def test_a_corrupt_snapshot_stops_every_rank_with_one_clear_line(tmp_path):
+    (tmp_path / "snapshot").mkdir()
+    (tmp_path / "snapshot" / ".metadata").write_bytes(b"not a checkpoint")
+    proc = run(torchrun("fsdp.py", 2, 1), cwd=tmp_path, timeout=120, check=False)
+    assert proc.returncode != 0
+    errors = re.findall(r"^error: cannot resume from snapshot \(.*\); it is left in place", proc.output, re.M)
+    assert len(errors) == 2, proc.output  # one line from each rank
+    assert (tmp_path / "snapshot" / ".metadata").read_bytes() == b"not a checkpoint"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gives")
+def test_gpu_only_options_stop_with_one_clear_line_on_a_cpu(tmp_path):
+    proc = run([PYTHON, script("fsdp.py"), 2, 1, "--bf16"], cwd=tmp_path, timeout=60, check=False)
+    assert proc.returncode == 1
+    assert proc.output.strip().startswith("error: --bf16 and --cpu_offload"), proc.output
+    assert len(proc.output.strip().splitlines()) == 1, proc.output
+
+
+@pytest.mark.gpu
+def test_bf16_with_cpu_offload_trains_on_gpus(tmp_path):
+    nproc = min(2, torch.cuda.device_count())
+    proc = run(torchrun("fsdp.py", EPOCHS, 1, *WIDE, "--bf16", "--cpu_offload", nproc=nproc), cwd=tmp_path,
+               env=job_env(gpu=True), timeout=180)
+    losses = epoch_losses(proc.output)
+    assert losses[EPOCHS - 1] < losses[0], losses
+    for row in memory_tables(proc.output)["end"]:
+        assert row["device"] == f"cuda:{row['local']}", row
+
+
+def evaluate_sharded(rank, port, dataset, result_file):
+    """Worker: evaluate an FSDP-sharded copy of a small model, with batches that leave rank 1 one batch short."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))  # a rank left waiting for an all-gather fails fast
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    for module in [*model.children(), model]:
+        fully_shard(module)
+    metrics = evaluate(model, dataset, torch.nn.functional.cross_entropy, torch.device("cpu"), True, batch_size=2)
+    if rank == 0:
+        torch.save(dict(metrics), result_file)
+    dist.destroy_process_group()
+
+
+def test_evaluate_runs_the_same_forward_passes_on_every_rank_and_scores_each_sample_once(tmp_path):
+    inputs = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
+    dataset = TensorDataset(inputs, torch.tensor([0, 1, 1, 0, 1]))  # rank 0: 3 samples (2 batches), rank 1: 2
+    mp.spawn(evaluate_sharded, args=(free_port(), dataset, tmp_path / "metrics.pt"), nprocs=2, join=True)
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    expected = evaluate(plain, dataset, torch.nn.functional.cross_entropy, torch.device("cpu"), True)
+    sharded = torch.load(tmp_path / "metrics.pt")
+    assert sharded["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert sharded["accuracy"] == pytest.approx(expected["accuracy"])

@@ -1,0 +1,90 @@
+"""Memory per rank, gathered into one table: what `fsdp.py --verbose` prints at the start, after each epoch, at the end.
+
+Two kinds of numbers per rank:
+- the memory of its device: on a GPU, what the CUDA allocator holds now and at its peak on the process's own GPU
+  (cuda:LOCAL_RANK, so the index is right on every node); on a CPU, the process's resident set now and at its peak;
+- the training state it holds: parameters, gradients and optimizer state, summed over the tensors' *local* parts.
+  Under FSDP a parameter is a DTensor whose local part is this rank's shard, so these shrink to ~1/world_size.
+"""
+import os
+import re
+import resource
+import socket
+
+import torch
+import torch.distributed as dist
+
+MiB = 2**20
+COLUMNS = ["rank", "local", "host", "device", "now MiB", "peak MiB", "params MiB", "grads MiB", "optim MiB",
+           "state MiB"]
+ROW = re.compile(r"^ +(\d+) +(\d+) +(\S+) +(\S+)" + r" +([\d.]+|n/a)" * 6 + r"$", re.M)
+
+
+def local_bytes(tensor):
+    """Bytes this process holds of `tensor`: for a DTensor (a sharded parameter), only its own shard."""
+    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return tensor.numel() * tensor.element_size()
+
+
+def state_bytes(model, optimizer):
+    """{params, grads, optim}: bytes of the training state this rank holds, from the local tensors' shapes."""
+    parameters = list(model.parameters())
+    optimizer_tensors = [value for state in optimizer.state.values() for value in state.values()
+                         if isinstance(value, torch.Tensor)]
+    return {"params": sum(local_bytes(p) for p in parameters),
+            "grads": sum(local_bytes(p.grad) for p in parameters if p.grad is not None),
+            "optim": sum(local_bytes(t) for t in optimizer_tensors)}
+
+
+def device_memory(device):
+    """(now, peak) bytes: the CUDA allocator's on a GPU; the process's resident set on a CPU (None: not known)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+    try:  # Linux: VmRSS is the resident set now, VmHWM its peak, both in kB
+        with open("/proc/self/status") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError):  # elsewhere only the peak is known (bytes on macOS)
+        return None, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def format_table(stage, rows):
+    """The table rank 0 prints: a title line, a header, then one row per rank."""
+    def mib(value):
+        return "n/a" if value is None else f"{value / MiB:.2f}"
+
+    lines = [f"memory {stage} (state: the parameters, gradients and optimizer state each rank holds)",
+             "  ".join(f"{name:>10}" for name in COLUMNS)]
+    for row in rows:
+        state = row["params"] + row["grads"] + row["optim"]
+        cells = [row["rank"], row["local_rank"], row["host"], row["device"], mib(row["now"]), mib(row["peak"]),
+                 mib(row["params"]), mib(row["grads"]), mib(row["optim"]), mib(state)]
+        lines.append("  ".join(f"{cell:>10}" for cell in cells))
+    return "\n".join(lines)
+
+
+def log_memory(stage, model, optimizer, device, verbose=True):
+    """Every rank measures itself; rank 0 prints all of them as one table. A collective: call it on every rank."""
+    if not verbose:
+        return
+    now, peak = device_memory(device)
+    row = dict(rank=dist.get_rank(), local_rank=int(os.environ.get("LOCAL_RANK", 0)), host=socket.gethostname(),
+               device=str(device), now=now, peak=peak, **state_bytes(model, optimizer))
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    if dist.get_rank() == 0:
+        print(format_table(stage, rows), flush=True)
+
+
+def memory_tables(output):
+    """{stage: [row, ...]} parsed back from printed tables; each row a dict with the COLUMNS as keys (MiB floats)."""
+    tables = {}
+    for block in re.split(r"^memory ", output, flags=re.M)[1:]:
+        stage = block.split(" (state:", 1)[0]
+        rows = []
+        for match in ROW.finditer(block):
+            values = list(match.groups())
+            rows.append(dict(zip(COLUMNS, [int(values[0]), int(values[1]), values[2], values[3]] +
+                                 [None if v == "n/a" else float(v) for v in values[4:]])))
+        tables[stage] = rows
+    return tables
