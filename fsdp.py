@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import WORKLOADS, configure_cpu_threads, evaluate, make_workload, positive_int, require_torchrun
-from utils import log_memory, replace_directory
+from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
+                   log_memory, replace_directory, require_cuda_for_fsdp_options, require_torchrun)
 
 
 def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
@@ -127,6 +127,7 @@ def main(args):
         torch.save(full_model, "model_full.pt")  # the shards gathered into one plain state_dict: no torch.distributed
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
     dist.destroy_process_group()
+    exit_without_teardown()  # a gloo thread may still hold tensors: see utils
 
 
 if __name__ == "__main__":
@@ -143,8 +144,7 @@ if __name__ == "__main__":
     parser.add_argument("--verbose", action="store_true", help="Print every rank's memory at each epoch")
     args = parser.parse_args()
 
-    if (args.bf16 or args.cpu_offload) and not (args.strategy == "fsdp" and torch.cuda.is_available()):
-        raise SystemExit("error: --bf16 and --cpu_offload are options of --strategy fsdp on CUDA GPUs")
+    require_cuda_for_fsdp_options(args)  # --bf16 and --cpu_offload: FSDP on GPUs only
     require_torchrun("torchrun --nnodes=2 --nproc_per_node=1 --rdzv_id=job1 --rdzv_backend=c10d "
                      "--rdzv_endpoint=HEAD:29500")  # a clear error for plain `python`, or more processes than GPUs
     main(args)

@@ -14,7 +14,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import WORKLOADS, configure_cpu_threads, evaluate, free_port, make_workload, positive_int
+from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
+                   free_port, require_a_gpu_each)
 
 
 def ddp_setup(rank, world_size, timeout_s):
@@ -93,6 +94,7 @@ def main(rank, world_size, args):
     if trainer.rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
     dist.destroy_process_group()
+    exit_without_teardown()  # a gloo thread may still hold tensors: see utils
 
 
 if __name__ == "__main__":
@@ -105,9 +107,7 @@ if __name__ == "__main__":
     parser.add_argument("--world_size", type=positive_int, help="Processes (default: every GPU, or 2 on CPU)")
     args = parser.parse_args()
 
-    world_size = args.world_size or torch.cuda.device_count() or 2  # every GPU, or 2 CPU processes
-    if world_size > torch.cuda.device_count() > 0:
-        raise SystemExit(f"error: --world_size {world_size} > {torch.cuda.device_count()} GPUs (one process per GPU)")
+    world_size = require_a_gpu_each(args.world_size or torch.cuda.device_count() or 2, "--world_size")
     print(f"{world_size} processes " + ("on NCCL, one per GPU" if torch.cuda.is_available() else "on gloo (no CUDA)"))
     os.environ["MASTER_ADDR"] = "localhost"  # where rank 0 listens for the others
     os.environ.setdefault("MASTER_PORT", str(free_port()))  # a free port, unless the user chose one

@@ -60,7 +60,8 @@ def pretend_one_gpu(monkeypatch):
 def test_more_spawned_processes_than_gpus_is_refused(monkeypatch):
     """The check runs before any process starts, so a machine without GPUs can test it by pretending to have 1."""
     pretend_one_gpu(monkeypatch)
-    assert "--world_size 2 > 1 GPUs" in str(run_main(monkeypatch, "multigpu.py", "2", "1", "--world_size", "2"))
+    stop = run_main(monkeypatch, "multigpu.py", "2", "1", "--world_size", "2")
+    assert "2 processes on this machine but 1 GPU(s): one process per GPU (--world_size)" in str(stop)
 
 
 @pytest.mark.parametrize("step", ["multigpu_torchrun.py", "multinode.py"])

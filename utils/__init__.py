@@ -3,15 +3,12 @@
 The step scripts keep the distributed concepts (process group, sampler, DDP wrap, snapshots, ranks)
 in plain sight; only the parts that are the same in every step live here.
 """
-from utils.helpers import configure_cpu_threads, free_port, positive_int, require_torchrun
+from utils.helpers import (configure_cpu_threads, exit_without_teardown, free_port, positive_int, replace_directory,
+                           require_a_gpu_each, require_cuda_for_fsdp_options, require_torchrun)
+from utils.memory import log_memory
 from utils.workload import WORKLOADS, Workload, evaluate, make_workload
+import utils.wide_mlp  # noqa: E402,F401  (adds the "wide" workload to WORKLOADS)
 
-__all__ = ["WORKLOADS", "Workload", "configure_cpu_threads", "evaluate", "free_port", "make_workload",
-           "positive_int", "require_torchrun"]
-
-# What fsdp.py adds: the memory table, swapping a finished snapshot directory in, and the "wide" workload.
-from utils.helpers import replace_directory  # noqa: E402
-from utils.memory import log_memory  # noqa: E402
-import utils.wide_mlp  # noqa: E402,F401  (registers "wide" in WORKLOADS)
-
-__all__ += ["log_memory", "replace_directory"]
+__all__ = ["WORKLOADS", "Workload", "configure_cpu_threads", "evaluate", "exit_without_teardown", "free_port",
+           "log_memory", "make_workload", "positive_int", "replace_directory", "require_a_gpu_each",
+           "require_cuda_for_fsdp_options", "require_torchrun"]
