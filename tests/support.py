@@ -2,6 +2,7 @@
 
 One place for it, so every test launches, bounds and parses jobs the same way.
 """
+import json
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ from utils import free_port
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]  # the `torchrun` command, from this interpreter
-AUDIT_DIR = Path(__file__).resolve().parent / "audit"  # its sitecustomize.py records every torch.save
+AUDIT_DIR = Path(__file__).resolve().parent / "audit"  # its sitecustomize.py records torch.save calls and samples
 
 EPOCH_LINE = re.compile(r"\[rank (\d+)/(\d+)[^\]]*\] epoch (\d+) \| steps (\d+) \| loss ([\d.]+)|"
                         r"\[(?:cpu|cuda[:\d]*)\] epoch (\d+) \| steps (\d+) \| loss ([\d.]+)")
@@ -24,14 +25,21 @@ def script(name):
     return str(REPO / name)
 
 
-def job_env(extra=None, audit_file=None):
+def job_env(extra=None, audit_file=None, samples_file=None, kill_at=None):
     """The environment of a launched job: one CPU thread per process (this machine has 2 cores), unbuffered
-    output, and, with audit_file, a record of every file torch.save writes and which process wrote it."""
+    output, and, with audit_file, a record of every file torch.save writes and which process wrote it; with
+    samples_file, the sample indices each process trained on per epoch; with kill_at=(restart, rank, epoch),
+    that worker SIGKILLs itself as it begins that epoch (tests/audit/sitecustomize.py does all three)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("LOCAL_RANK", None)
-    if audit_file:
+    if audit_file or samples_file or kill_at:
         env["PYTHONPATH"] = os.pathsep.join([str(AUDIT_DIR), env.get("PYTHONPATH", "")])
+    if audit_file:
         env["AUDIT_WRITES_TO"] = str(audit_file)
+    if samples_file:
+        env["AUDIT_SAMPLES_TO"] = str(samples_file)
+    if kill_at:
+        env["AUDIT_KILL_AT"] = ":".join(map(str, kill_at))
     env.update(extra or {})
     return env
 
@@ -92,5 +100,14 @@ def recorded_writes(audit_file):
     return [(int(pid), None if rank == "-" else int(rank), path) for pid, rank, path in rows]
 
 
-__all__ = ["PYTHON", "REPO", "TORCHRUN", "epoch_losses", "free_port", "job_env", "kill_tree", "recorded_writes",
-           "run", "script", "start", "torchrun", "torchrun_node"]
+def recorded_samples(samples_file):
+    """One dict per completed pass over a DataLoader, in the order they ended: pid, rank, restart, sampler (class
+    name), epoch (the sampler's set_epoch value, or None), number (the pass's number in its process, from 0),
+    ddp (the model was wrapped in DDP), indices (the samples, in training order)."""
+    if not Path(samples_file).exists():
+        return []
+    return [json.loads(line) for line in Path(samples_file).read_text().splitlines()]
+
+
+__all__ = ["PYTHON", "REPO", "TORCHRUN", "epoch_losses", "free_port", "job_env", "kill_tree", "recorded_samples",
+           "recorded_writes", "run", "script", "start", "torchrun", "torchrun_node"]
