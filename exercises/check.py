@@ -12,10 +12,8 @@ import argparse
 import itertools
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,13 +22,13 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
 
-from support import (PYTHON, epoch_losses, free_port, job_env, kill_tree, recorded_samples,  # noqa: E402
-                     recorded_writes, start, torchrun, torchrun_node)
+from support import (PYTHON, epoch_losses, free_port, job_env, recorded_samples, recorded_writes,  # noqa: E402
+                     run_together, torchrun, torchrun_node)
 from utils import make_workload  # noqa: E402
 
 EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes"}
 WORLD_SIZE = 2
-COLLECTIVE_TIMEOUT_S = 20  # passed as --timeout: a stuck collective fails instead of hanging forever
+COLLECTIVE_TIMEOUT_S = 60  # passed as --timeout: a stuck collective fails instead of hanging forever (slow starts pass)
 KILLED_EPOCH = 2  # exercise 2 kills rank 1 as it begins this epoch
 # torch >= 2.5: restarted workers meet in the store the killed ones used, whose stale addresses can stall them; a
 # store per attempt avoids that
@@ -44,16 +42,8 @@ def launch(commands, workdirs, record_dir, timeout, kill_at=None, extra_env=None
                   kill_at=kill_at)
     env["PYTHONPATH"] += os.pathsep + str(REPO)  # `from utils import ...` works wherever the script lives
     logs = [record_dir / f"node{n}.log" for n in range(len(commands))]
-    procs = [start(cmd, cwd=cwd, env=env, log=log) for cmd, cwd, log in zip(commands, workdirs, logs)]
-    began, hung = time.monotonic(), False
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, began + timeout - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            hung = True
-    for proc in procs:
-        kill_tree(proc)  # also whatever a finished launcher left behind
-    return SimpleNamespace(codes=[proc.returncode for proc in procs], hung=hung, timeout=timeout,
+    codes, hung = run_together(commands, workdirs, env, logs, timeout)
+    return SimpleNamespace(codes=codes, hung=hung, timeout=timeout,
                            output="".join(log.read_text() for log in logs),
                            samples=recorded_samples(record_dir / "samples.jsonl"),
                            writes=recorded_writes(record_dir / "writes.tsv"))
@@ -291,16 +281,16 @@ def check_two_nodes(script, workdir, say):
         node.mkdir()
     shutil.copy(snapshot, nodes[0] / snapshot.name)
     more_epochs, endpoint = epochs + 2, f"127.0.0.1:{free_port()}"
-    cmd = [*torchrun_node(script, more_epochs, 1, endpoint=endpoint, run_id="check"), "--timeout", 10]
+    cmd = [*torchrun_node(script, more_epochs, 1, endpoint=endpoint, run_id="check"), "--timeout", 30]
     say(f"running it again for {more_epochs} epochs, each node in its own directory; only node 0's has "
         f"{snapshot.name}")
-    job = launch([cmd, cmd], nodes, workdir / "records-apart", timeout=60)
+    job = launch([cmd, cmd], nodes, workdir / "records-apart", timeout=90)
     first_epoch = {rank: min(row["number"] if row["epoch"] is None else row["epoch"]
                              for row in job.samples if row["rank"] == rank) for rank in ranks_of(job.samples)}
     if len(set(first_epoch.values())) > 1:
         starts = "; ".join(f"rank {rank} began at epoch {epoch}" for rank, epoch in first_epoch.items())
         ended = ("it hung until stopped" if job.hung else "it finished as if all was well" if job.codes == [0, 0]
-                 else "it failed later")
+                 else "it crashed once their collectives no longer matched")
         return [f"the nodes trained out of step: {starts} (each node read its own disk), and {ended}. Before "
                 "training, check that every rank resumes from the same epoch (all_reduce it) and stop with an "
                 "error that says to put --snapshot_path on storage every node shares"]

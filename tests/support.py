@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from utils import free_port
@@ -71,6 +72,21 @@ def kill_tree(proc, sig=signal.SIGKILL):
     proc.wait(timeout=30)
 
 
+def run_together(commands, cwds, env, logs, timeout):
+    """Start every command (one torchrun per node, say) in its directory with output to its log, and wait for all of
+    them, `timeout` s at most in total; then kill whatever is left. Return (exit codes, whether time ran out)."""
+    procs = [start(cmd, cwd=cwd, env=env, log=log) for cmd, cwd, log in zip(commands, cwds, logs)]
+    deadline, timed_out = time.monotonic() + timeout, False
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    for proc in procs:
+        kill_tree(proc)  # also whatever a finished launcher left behind
+    return [proc.returncode for proc in procs], timed_out
+
+
 def torchrun(name, *args, nproc=2, launcher_args=()):
     """`torchrun --standalone --nproc_per_node=N name args...` on a free port, as a command list."""
     return [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *launcher_args, script(name), *map(str, args)]
@@ -110,4 +126,4 @@ def recorded_samples(samples_file):
 
 
 __all__ = ["PYTHON", "REPO", "TORCHRUN", "epoch_losses", "free_port", "job_env", "kill_tree", "recorded_samples",
-           "recorded_writes", "run", "script", "start", "torchrun", "torchrun_node"]
+           "recorded_writes", "run", "run_together", "script", "start", "torchrun", "torchrun_node"]
