@@ -181,7 +181,7 @@ def kill_after(cmd, trigger, victim_rank=0, name="fault", timeout=180, extra_env
                 killed = True
                 timeline.add(f"KILL rank {victim_rank} (pid {pid})")
                 print(f"---- SIGKILL sent to rank {victim_rank} (pid {pid}) ----")
-        proc.wait()
+        print(f"torchrun exited with code {proc.wait()}")
     finally:
         watchdog.cancel()
         try:
