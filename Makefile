@@ -17,3 +17,7 @@ demo: $(STAMP)  ## run every step briefly on whatever this machine has
 
 test: $(STAMP)  ## the whole test suite
 	$(PY) -m pytest
+
+.PHONY: notebooks
+notebooks: $(STAMP)  ## re-run the walkthrough notebooks and store their outputs (commit them afterwards)
+	$(PY) notebooks/execute.py
