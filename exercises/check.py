@@ -11,6 +11,7 @@ the same recorder the repository's own tests use.
 import argparse
 import itertools
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -71,8 +72,10 @@ def exit_problems(job):
                 "barrier inside `if rank == 0:`, or ranks that run a different number of epochs"]
     failed = [code for code in job.codes if code != 0]
     if failed:
-        tail = "\n".join("      " + line for line in job.output.strip().splitlines()[-12:])
-        return [f"it exited with code {failed[0]}; the last lines it printed:\n{tail}"]
+        lines = job.output.strip().splitlines()
+        errors = [line for line in lines if re.match(r"(\[rank\d+\]: )?(error: |\w+(Error|Exception)\b)", line)]
+        shown_lines = "\n".join("      " + line for line in (errors[:6] or lines[-12:]))
+        return [f"it exited with code {failed[0]}; what it printed about that:\n{shown_lines}"]
     return []
 
 
@@ -225,16 +228,17 @@ def check_ddp(script, workdir, say):
 
 
 def check_resume(script, workdir, say):
-    """Exercise 2: under torchrun --max_restarts=1, rank 1 is killed as it begins epoch 2; the job must resume
+    """Exercise 2: under torchrun --max_restarts=2, rank 1 is killed as it begins epoch 2; the job must resume
     at epoch 2 (no epoch lost, none repeated) and finish."""
     epochs = 4
-    cmd = [*torchrun(script, epochs, 1, nproc=WORLD_SIZE, launcher_args=["--max_restarts=1"]),
+    # two restarts allowed, so one that fails for reasons of its own (a slow start on a busy machine) is retried
+    cmd = [*torchrun(script, epochs, 1, nproc=WORLD_SIZE, launcher_args=["--max_restarts=2"]),
            "--timeout", COLLECTIVE_TIMEOUT_S]
     say(f"running: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {shown(cmd)}")
     say(f"         and killing rank 1 (SIGKILL) as it begins epoch {KILLED_EPOCH}")
     job = launch([cmd], [workdir], workdir / "records", timeout=120, kill_at=(0, 1, KILLED_EPOCH),
                  extra_env=FRESH_STORE)
-    restarted = [row for row in job.samples if row["restart"] == 1 and row["rank"] == 0]
+    restarted = [row for row in job.samples if row["restart"] >= 1 and row["rank"] == 0]
     if not job.hung and not restarted and not any(row["restart"] == 0 and row["number"] >= KILLED_EPOCH - 1
                                                   for row in job.samples):
         return exit_problems(job) or [f"the job ended before epoch {KILLED_EPOCH}, so it was never killed"]

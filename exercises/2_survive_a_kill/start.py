@@ -3,7 +3,7 @@
 torchrun already starts the processes, and with --max_restarts=N restarts them all when one dies; but then
 this script starts over from epoch 0. Work on a copy and follow the TODOs; check it with
     python exercises/check.py 2 my_restart.py
-which runs `torchrun --standalone --nproc_per_node=2 --max_restarts=1 my_restart.py 4 1` and kills rank 1 as it
+which runs `torchrun --standalone --nproc_per_node=2 --max_restarts=2 my_restart.py 4 1` and kills rank 1 as it
 begins epoch 2: the job must go on at epoch 2, no epoch lost and none repeated.
 """
 import argparse
