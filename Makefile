@@ -18,6 +18,14 @@ demo: $(STAMP)  ## run every step briefly on whatever this machine has
 test: $(STAMP)  ## the whole test suite
 	$(PY) -m pytest
 
+.PHONY: two-hosts mini-slurm
+
+two-hosts: $(STAMP)  ## multinode.py on two network namespaces with their own IPs (root); prints every command
+	$(PY) tools/two_hosts.py
+
+mini-slurm: $(STAMP)  ## slurm/multinode.sbatch on a real two-node Slurm on this machine (root, slurm-wlm, munge)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) tools/minislurm.py 4 2
+
 .PHONY: notebooks
 notebooks: $(STAMP)  ## re-run the walkthrough notebooks and store their outputs (commit them afterwards)
 	$(PY) notebooks/execute.py

@@ -23,8 +23,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
 
-from support import (PYTHON, epoch_losses, free_port, job_env, recorded_samples, recorded_writes,  # noqa: E402
-                     run_together, torchrun, torchrun_node)
+from support import (PYTHON, epoch_losses, finish, free_port, job_env, recorded_samples,  # noqa: E402
+                     recorded_writes, start, torchrun, torchrun_node)
 from utils import make_workload  # noqa: E402
 
 EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes"}
@@ -43,7 +43,9 @@ def launch(commands, workdirs, record_dir, timeout, kill_at=None, extra_env=None
                   kill_at=kill_at)
     env["PYTHONPATH"] += os.pathsep + str(REPO)  # `from utils import ...` works wherever the script lives
     logs = [record_dir / f"node{n}.log" for n in range(len(commands))]
-    codes, hung = run_together(commands, workdirs, env, logs, timeout)
+    codes = finish([start(cmd, cwd=cwd, env=env, log=log) for cmd, cwd, log in zip(commands, workdirs, logs)],
+                   timeout)  # None: still running at the deadline, then killed
+    hung = None in codes
     return SimpleNamespace(codes=codes, hung=hung, timeout=timeout,
                            output="".join(log.read_text() for log in logs),
                            samples=recorded_samples(record_dir / "samples.jsonl"),

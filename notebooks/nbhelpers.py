@@ -21,8 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from IPython.display import Markdown, display  # noqa: E402
 
-from support import (PYTHON, TORCHRUN, epoch_losses, free_port, job_env, recorded_samples,  # noqa: E402,F401
-                     recorded_writes, run_together, script, torchrun, torchrun_node)
+from support import (PYTHON, TORCHRUN, epoch_losses, finish, free_port, job_env, kill_tree,  # noqa: E402,F401
+                     recorded_samples, recorded_writes, script, start, torchrun, torchrun_node)
 from tools.stepdiff import changed_lines, step_diff  # noqa: E402
 
 RANK_COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
@@ -73,11 +73,13 @@ def run_job(*commands, name="job", cwds=None, timeout=180, extra_env=None, quiet
     """Run one command, or one per node, each in a scratch directory (or `cwds`), and print what they printed."""
     workdir = scratch(name)
     cwds = cwds or [workdir] * len(commands)
-    env = job_env(extra_env, audit_file=workdir / "writes.tsv", samples_file=workdir / "samples.jsonl")
+    env = job_env(extra_env, audit_file=workdir / "writes.tsv", samples_file=workdir / "samples.jsonl",
+                  gpu=torch.cuda.is_available())
     logs = [workdir / f"node{n}.log" for n in range(len(commands))]
     for node, cmd in enumerate(commands):
         print(f"node {node} $" if len(commands) > 1 else "$", shown(cmd))
-    codes, timed_out = run_together(commands, cwds, env, logs, timeout)
+    codes = finish([start(cmd, cwd=cwd, env=env, log=log) for cmd, cwd, log in zip(commands, cwds, logs)], timeout)
+    timed_out = None in codes  # still running at the deadline, then killed
     output = "".join(log.read_text() for log in logs)
     if not quiet:
         print_job_lines(output)
@@ -160,12 +162,13 @@ def kill_after(cmd, trigger, victim_rank=0, name="fault", timeout=180, extra_env
     """Run a torchrun job; as soon as a line matches `trigger`, SIGKILL the worker of rank `victim_rank` (its pid
     comes from the audit's record of its saves); follow the job to its end. Return (Run, Timeline)."""
     workdir = scratch(name)
-    env = job_env(extra_env, audit_file=workdir / "writes.tsv", samples_file=workdir / "samples.jsonl")
+    env = job_env(extra_env, audit_file=workdir / "writes.tsv", samples_file=workdir / "samples.jsonl",
+                  gpu=torch.cuda.is_available())
     print("$", " ".join(f"{key}={value}" for key, value in extra_env.items()), shown(cmd))
     timeline, lines = Timeline(), []
     proc = subprocess.Popen([str(part) for part in cmd], cwd=workdir, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    watchdog = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+    watchdog = threading.Timer(timeout, kill_tree, (proc,))
     watchdog.start()
     killed = False
     try:
@@ -184,10 +187,7 @@ def kill_after(cmd, trigger, victim_rank=0, name="fault", timeout=180, extra_env
         print(f"torchrun exited with code {proc.wait()}")
     finally:
         watchdog.cancel()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_tree(proc)  # whatever is left of the job, workers included
     return Run(workdir, "\n".join(lines), [proc.returncode], False), timeline
 
 
