@@ -44,5 +44,5 @@ def recorded_samples(samples_file):
 
 __all__ = ["PYTHON", "REPO", "TORCHRUN", "Host", "LogFollower", "child_pids", "descendant_pids", "epoch_losses",
            "finish", "free_port", "job_env", "kill_tree", "namespaces_unavailable", "network_namespaces",
-           "process_env", "read_log", "recorded_samples", "recorded_writes", "run", "script", "start", "torchrun", "torchrun_node",
-           "torchrun_workers", "wait_for"]
+           "process_env", "read_log", "recorded_samples", "recorded_writes", "run", "script", "start", "torchrun",
+           "torchrun_node", "torchrun_workers", "wait_for"]
