@@ -36,3 +36,7 @@ fsdp-memory: $(STAMP)  ## per-rank memory of the wide workload: FSDP, then DDP (
 
 dataparallel-vs-ddp: $(STAMP)  ## nn.DataParallel against DDP (on a CPU: one process against several)
 	$(PY) benchmarks/dataparallel_vs_ddp.py
+
+.PHONY: notebooks
+notebooks: $(STAMP)  ## re-run the walkthrough notebooks and store their outputs (commit them afterwards)
+	$(PY) notebooks/execute.py

@@ -3,6 +3,7 @@
 One place for it, so every test launches, bounds and parses jobs the same way; the launching and watching itself
 lives in tools/launch.py (the demo and benchmarks use it too), network namespaces in tools/netns.py.
 """
+import json
 import subprocess
 from pathlib import Path
 
@@ -32,7 +33,16 @@ def recorded_writes(audit_file):
     return [(int(pid), None if rank == "-" else int(rank), path) for pid, rank, path in rows]
 
 
+def recorded_samples(samples_file):
+    """One dict per completed pass over a DataLoader, in the order they ended: pid, rank, restart, sampler (class
+    name), epoch (the sampler's set_epoch value, or None), number (the pass's number in its process, from 0),
+    ddp (the model was wrapped in DDP), indices (the samples, in training order)."""
+    if not Path(samples_file).exists():
+        return []
+    return [json.loads(line) for line in Path(samples_file).read_text().splitlines()]
+
+
 __all__ = ["PYTHON", "REPO", "TORCHRUN", "Host", "LogFollower", "child_pids", "descendant_pids", "epoch_losses",
            "finish", "free_port", "job_env", "kill_tree", "namespaces_unavailable", "network_namespaces",
-           "process_env", "read_log", "recorded_writes", "run", "script", "start", "torchrun", "torchrun_node",
-           "torchrun_workers", "wait_for"]
+           "process_env", "read_log", "recorded_samples", "recorded_writes", "run", "script", "start", "torchrun",
+           "torchrun_node", "torchrun_workers", "wait_for"]

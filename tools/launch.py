@@ -36,17 +36,23 @@ def epoch_losses(output):
     return {int(epoch): float(loss) for epoch, loss in EPOCH_LINE.findall(output)}
 
 
-def job_env(extra=None, audit_file=None, gpu=False):
+def job_env(extra=None, audit_file=None, gpu=False, samples_file=None, kill_at=None):
     """The environment of a launched job: the CPU (gloo) unless gpu=True, one CPU thread per process, unbuffered
-    output, and, with audit_file, a record of every file torch.save writes and which process wrote it
-    (tests/audit/sitecustomize.py)."""
+    output, and, with audit_file, a record of every file torch.save writes and which process wrote it; with
+    samples_file, the sample indices each process trained on per epoch; with kill_at=(restart, rank, epoch), that
+    worker SIGKILLs itself as it begins that epoch (tests/audit/sitecustomize.py does all three)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU jobs stay CPU jobs on a machine with GPUs
     env.pop("LOCAL_RANK", None)
-    if audit_file:
+    if audit_file or samples_file or kill_at:
         env["PYTHONPATH"] = os.pathsep.join([str(AUDIT_DIR), env.get("PYTHONPATH", "")])
+    if audit_file:
         env["AUDIT_WRITES_TO"] = str(audit_file)
+    if samples_file:
+        env["AUDIT_SAMPLES_TO"] = str(samples_file)
+    if kill_at:
+        env["AUDIT_KILL_AT"] = ":".join(map(str, kill_at))
     env.update(extra or {})
     return env
 

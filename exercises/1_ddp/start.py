@@ -1,0 +1,93 @@
+"""Exercise 1 - turn this one-device script into DDP with mp.spawn: one process per GPU, or N CPU processes.
+
+It runs as it is, in one process. Work on a copy and follow the TODOs; check it with
+    python exercises/check.py 1 my_ddp.py
+It must run as `python my_ddp.py 3 1 --world_size 2` (the options are already there).
+"""
+import argparse
+import time
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from utils import WORKLOADS, evaluate, make_workload, positive_int
+
+# TODO 1: ddp_setup(rank, world_size, timeout_s): init_process_group (gloo on CPU, nccl on GPU) with a timeout
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer, loss_fn, device, save_every):
+        self.device = device
+        self.model = model.to(device)
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.save_every = save_every
+        self.tag = f"[{device}]"  # TODO 2: say which rank this is: [rank 0/2 | cpu]
+        # TODO 3: wrap the model in DistributedDataParallel
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _run_epoch(self, epoch):
+        start = time.perf_counter()
+        # TODO 4: a new shuffle every epoch, the same on every rank
+        totals = torch.zeros(2, device=self.device)  # [summed loss, samples]: stays on the device, no per-step sync
+        for source, targets in self.train_data:
+            source, targets = source.to(self.device), targets.to(self.device)
+            totals[0] += self._run_batch(source, targets) * len(source)
+            totals[1] += len(source)
+        # TODO 5: sum totals over the ranks, and let only rank 0 print
+        mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
+        samples_per_s = totals[1].item() / (time.perf_counter() - start)
+        print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
+              f"{samples_per_s:,.0f} samples/s")
+
+    def _save_checkpoint(self, epoch):
+        torch.save(self.model.state_dict(), "checkpoint.pt")  # TODO 6: the model inside DDP; one writer
+        print(f"{self.tag} epoch {epoch} | checkpoint saved to checkpoint.pt")
+
+    def train(self, max_epochs):
+        for epoch in range(max_epochs):
+            self._run_epoch(epoch)
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
+                self._save_checkpoint(epoch)
+
+
+def load_train_objs(workload_name):
+    return make_workload(workload_name)  # dataset, held-out split, model, optimizer, loss: one call, every step
+
+
+def prepare_dataloader(dataset: Dataset, batch_size: int):
+    # TODO 7: each rank must get its own share of the data
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=True)
+
+
+def main(args):  # TODO 8: main(rank, world_size, args): join the group first, leave it (destroy) last
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"Training on {device}" + ("" if device.type == "cuda" else " (no CUDA device found)"))
+    workload = load_train_objs(args.workload)
+    train_data = prepare_dataloader(workload.train_set, args.batch_size)
+    trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
+                      args.save_every)
+    trainer.train(args.total_epochs)
+    metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
+    print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("total_epochs", type=positive_int, help="Total epochs to train the model")
+    parser.add_argument("save_every", type=positive_int, help="How often to save (in epochs)")
+    parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")
+    parser.add_argument("--workload", default="synthetic", choices=WORKLOADS, help="What to train")
+    parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
+    parser.add_argument("--world_size", type=positive_int, help="Processes (default: every GPU, or 2 on CPU)")
+    args = parser.parse_args()
+
+    # TODO 9: MASTER_ADDR and a free MASTER_PORT, then mp.spawn(main, ...) with world_size processes
+    main(args)

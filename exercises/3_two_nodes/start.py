@@ -1,0 +1,132 @@
+"""Exercise 3 - make this one-machine torchrun script right on several machines (nodes).
+
+Each node runs the same command, `torchrun --nnodes=2 --nproc_per_node=1 --rdzv_id=job1 --rdzv_backend=c10d
+--rdzv_endpoint=HEAD:29500 my_nodes.py 3 1`, and every node has its own disk. Work on a copy and follow the TODOs;
+check it with
+    python exercises/check.py 3 my_nodes.py
+which runs two such "nodes" on this machine: once sharing one directory, then each in its own directory with the
+snapshot on node 0's only, where the ranks must not train on out of step.
+"""
+import argparse
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from utils import WORKLOADS, configure_cpu_threads, evaluate, make_workload, positive_int, require_torchrun
+
+
+def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process drives its own GPU
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet at MASTER_ADDR:PORT
+                            timeout=timedelta(seconds=timeout_s))  # hang -> error
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer, loss_fn, device, save_every, snapshot_path):
+        self.rank = dist.get_rank()  # TODO 1: local rank (its GPU on this node) and global rank (in the job)
+        self.device = device
+        self.model = model.to(device)
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.save_every = save_every
+        self.tag = f"[rank {self.rank}/{dist.get_world_size()} | {device}]"  # TODO 2: show the local rank too
+        self.snapshot_path = snapshot_path
+        self.epochs_run = self._load_snapshot() if os.path.exists(snapshot_path) else 0  # epochs already done
+        # TODO 3: every node reads its own disk: stop with a clear error unless all ranks resume from one epoch
+        # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward()
+        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def _load_snapshot(self):
+        try:  # weights_only: tensors and plain containers, never arbitrary pickled code
+            snapshot = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)
+            self.model.load_state_dict(snapshot["MODEL_STATE"])
+            self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
+            epochs_run = snapshot["EPOCHS_RUN"]
+        except Exception as error:  # garbage bytes, another model's snapshot, a missing key
+            raise SystemExit(f"error: cannot resume from {self.snapshot_path} ({type(error).__name__}: "
+                             f"{str(error).splitlines()[0]}); it is left in place: move it away to start anew")
+        print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
+        return epochs_run
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _run_epoch(self, epoch):
+        start = time.perf_counter()
+        self.train_data.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
+        totals = torch.zeros(2, device=self.device)  # [summed loss, samples]: stays on the device, no per-step sync
+        for source, targets in self.train_data:
+            source, targets = source.to(self.device), targets.to(self.device)
+            totals[0] += self._run_batch(source, targets) * len(source)
+            totals[1] += len(source)
+        dist.all_reduce(totals)  # summed over ranks (gloo has no AVG): the loss below is every rank's mean
+        mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
+        samples_per_s = totals[1].item() / (time.perf_counter() - start)
+        if self.rank == 0:
+            print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
+                  f"{samples_per_s:,.0f} samples/s")
+
+    def _save_snapshot(self, epoch):
+        snapshot = dict(MODEL_STATE=self.model.module.state_dict(), OPTIMIZER_STATE=self.optimizer.state_dict(),
+                        EPOCHS_RUN=epoch + 1)  # all it takes to go on exactly (the data order is the sampler's)
+        torch.save(snapshot, f"{self.snapshot_path}.tmp")
+        os.replace(f"{self.snapshot_path}.tmp", self.snapshot_path)  # atomic: a crash leaves the last one whole
+        print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
+
+    def train(self, max_epochs):
+        for epoch in range(self.epochs_run, max_epochs):
+            self._run_epoch(epoch)
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
+                if self.rank == 0:  # TODO 4: one writer in the whole job, not one per node
+                    self._save_snapshot(epoch)
+                dist.barrier()  # no rank runs ahead of a snapshot that is not on disk yet
+
+
+def load_train_objs(workload_name):
+    return make_workload(workload_name)  # dataset, held-out split, model, optimizer, loss: one call, every step
+
+
+def prepare_dataloader(dataset: Dataset, batch_size: int):
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
+                      sampler=DistributedSampler(dataset))  # each rank gets its own 1/world_size of the data
+
+
+def main(args):
+    ddp_setup(args.timeout)
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    configure_cpu_threads(dist.get_world_size())  # every process of the job shares this machine's cores
+    workload = load_train_objs(args.workload)
+    train_data = prepare_dataloader(workload.train_set, args.batch_size)
+    trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
+                      args.save_every, args.snapshot_path)
+    trainer.train(args.total_epochs)
+    metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
+    if trainer.rank == 0:
+        print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("total_epochs", type=positive_int, help="Total epochs to train the model")
+    parser.add_argument("save_every", type=positive_int, help="How often to save (in epochs)")
+    parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")
+    parser.add_argument("--workload", default="synthetic", choices=WORKLOADS, help="What to train")
+    parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
+    parser.add_argument("--snapshot_path", default="snapshot.pt", help="Where to save and resume from")
+    args = parser.parse_args()
+
+    require_torchrun()  # TODO 5: show the multi-node torchrun command in the error
+    main(args)

@@ -1,0 +1,341 @@
+"""Check a workshop exercise: run your script for real (CPU processes, a few seconds) and watch what it does.
+
+    python exercises/check.py 1 my_ddp.py        # 1. one process -> DDP with mp.spawn
+    python exercises/check.py 2 my_restart.py    # 2. survive a kill: snapshot and resume under torchrun
+    python exercises/check.py 3 my_nodes.py      # 3. two nodes: one writer, and every node resumes alike
+
+It prints what is missing or wrong, in the exercise's terms, and exits 0 only when everything is right. What the
+processes did (the samples each rank trained on, who saved which file) is recorded by tests/audit/sitecustomize.py,
+the same recorder the repository's own tests use.
+"""
+import argparse
+import itertools
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+import torch  # noqa: E402
+
+from support import (PYTHON, epoch_losses, finish, free_port, job_env, recorded_samples,  # noqa: E402
+                     recorded_writes, start, torchrun, torchrun_node)
+from utils import make_workload  # noqa: E402
+
+EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes"}
+WORLD_SIZE = 2
+COLLECTIVE_TIMEOUT_S = 60  # passed as --timeout: a stuck collective fails instead of hanging forever (slow starts pass)
+KILLED_EPOCH = 2  # exercise 2 kills rank 1 as it begins this epoch
+# torch >= 2.5: restarted workers meet in the store the killed ones used, whose stale addresses can stall them; a
+# store per attempt avoids that
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def launch(commands, workdirs, record_dir, timeout, kill_at=None, extra_env=None):
+    """Run one command per node, each in its directory, until all end or `timeout` s pass (then kill them all)."""
+    record_dir.mkdir(parents=True, exist_ok=True)
+    env = job_env(extra_env, audit_file=record_dir / "writes.tsv", samples_file=record_dir / "samples.jsonl",
+                  kill_at=kill_at)
+    env["PYTHONPATH"] += os.pathsep + str(REPO)  # `from utils import ...` works wherever the script lives
+    logs = [record_dir / f"node{n}.log" for n in range(len(commands))]
+    codes = finish([start(cmd, cwd=cwd, env=env, log=log) for cmd, cwd, log in zip(commands, workdirs, logs)],
+                   timeout)  # None: still running at the deadline, then killed
+    hung = None in codes
+    return SimpleNamespace(codes=codes, hung=hung, timeout=timeout,
+                           output="".join(log.read_text() for log in logs),
+                           samples=recorded_samples(record_dir / "samples.jsonl"),
+                           writes=recorded_writes(record_dir / "writes.tsv"))
+
+
+def shown(cmd):
+    return " ".join(Path(part).name if part == PYTHON else str(part) for part in cmd)
+
+
+def ranks_of(rows):
+    return sorted({row["rank"] for row in rows}, key=str)
+
+
+def listed(numbers):
+    numbers = [str(n) for n in numbers]
+    return " and ".join(numbers) if len(numbers) < 3 else ", ".join(numbers[:-1]) + " and " + numbers[-1]
+
+
+# Each *_problems function returns a list of sentences, empty when all is well.
+
+def exit_problems(job):
+    if job.hung:
+        return [f"it did not finish within {job.timeout} s and was stopped: a rank is probably waiting in a "
+                "collective (init_process_group, all_reduce, barrier) that another rank never reaches, such as a "
+                "barrier inside `if rank == 0:`, or ranks that run a different number of epochs"]
+    failed = [code for code in job.codes if code != 0]
+    if failed:
+        lines = job.output.strip().splitlines()
+        errors = [line for line in lines if re.match(r"(\[rank\d+\]: )?(error: |\w+(Error|Exception)\b)", line)]
+        shown_lines = "\n".join("      " + line for line in (errors[:6] or lines[-12:]))
+        return [f"it exited with code {failed[0]}; what it printed about that:\n{shown_lines}"]
+    return []
+
+
+def process_problems(samples):
+    if not samples:
+        return ["it never trained: no process iterated over a DataLoader"]
+    ranks = ranks_of(samples)
+    if ranks == [None] and len({row["pid"] for row in samples}) == 1:
+        return [f"only one process trained: start {WORLD_SIZE} processes (mp.spawn(main, args=(world_size, args), "
+                "nprocs=world_size)) and call dist.init_process_group in each"]
+    if ranks != list(range(WORLD_SIZE)):
+        return [f"the processes that trained had ranks {ranks}, expected {list(range(WORLD_SIZE))}: each process "
+                "must join the process group with its own rank before training"]
+    return []
+
+
+def ddp_problems(samples):
+    bare = sorted({row["rank"] for row in samples if not row["ddp"]}, key=str)
+    if not bare:
+        return []
+    return [f"rank {listed(bare)} trained a model not wrapped in DistributedDataParallel: its gradients were never "
+            "averaged with the other ranks', so each rank trained a different model; wrap it: "
+            "DDP(model, device_ids=...)"]
+
+
+def epochs_of(samples):
+    """{(restart, pass number): {rank: indices}}: who trained on what, epoch by epoch."""
+    epochs = {}
+    for row in samples:
+        epochs.setdefault((row["restart"], row["number"]), {})[row["rank"]] = row["indices"]
+    return epochs
+
+
+def shard_problems(samples):
+    dataset_size = len(make_workload().train_set)
+    for (restart, number), by_rank in sorted(epochs_of(samples).items()):
+        epoch = f"epoch {number}" + (f" after restart {restart}" if restart else "")
+        for (rank_a, a), (rank_b, b) in itertools.combinations(sorted(by_rank.items()), 2):
+            shared = set(a) & set(b)
+            if len(shared) > WORLD_SIZE:  # DistributedSampler pads by < world_size samples to even out the shards
+                sampler = next(row["sampler"] for row in samples if row["rank"] == rank_a)
+                return [f"ranks {rank_a} and {rank_b} trained on the same samples: {len(shared)} of the "
+                        f"{len(a)} samples rank {rank_a} saw in {epoch} were also rank {rank_b}'s. The DataLoader "
+                        f"uses a {sampler}: give it sampler=DistributedSampler(dataset) (and shuffle=False), so "
+                        "each rank gets its own 1/world_size of the data"]
+        unseen = dataset_size - len(set().union(*map(set, by_rank.values())))
+        if unseen > 0:
+            return [f"no rank trained on {unseen} of the {dataset_size} samples in {epoch}: together the ranks must "
+                    "cover the whole dataset (DistributedSampler does, with the process group's rank and size)"]
+    return []
+
+
+def order_problems(samples):
+    for rank in ranks_of(samples):
+        passes = [row for row in samples if row["rank"] == rank]
+        for earlier, later in zip(passes, passes[1:]):
+            if earlier["restart"] == later["restart"] and earlier["indices"] == later["indices"]:
+                why = (f" (its {later['sampler']}'s epoch stayed {later['epoch']})" if later["epoch"] is not None
+                       else "")
+                return [f"rank {rank} trained on the same samples in the same order in epochs {earlier['number']} "
+                        f"and {later['number']}{why}: call self.train_data.sampler.set_epoch(epoch) at the start "
+                        "of every epoch, so each epoch gets a new shuffle (the same one on every rank)"]
+    return []
+
+
+def writer_problems(writes, multinode=False):
+    if not writes:
+        return ["nothing was saved: save every save_every epochs (and after the last one)"]
+    ranks = sorted({rank for _, rank, _ in writes}, key=str)
+    files = sorted({Path(path).name for _, _, path in writes if not path.endswith(".tmp")})
+    if len(ranks) > 1:
+        fix = ("only global rank 0 (RANK, or dist.get_rank()) should write; LOCAL_RANK is 0 on every node"
+               if multinode else "the replicas are identical, so one writer is enough: `if self.rank == 0:`")
+        return [f"ranks {listed(ranks)} all wrote {listed(files)}: {fix}"]
+    if ranks != [0] and ranks != [None]:
+        return [f"rank {ranks[0]} wrote {listed(files)}, not rank 0: by convention rank 0 writes files"]
+    return []
+
+
+def last_saved(writes, workdir):
+    """The file the job saved last (a .tmp written then renamed counts under its final name), or None."""
+    for _, _, path in reversed(writes):
+        final = Path(path[:-len(".tmp")] if path.endswith(".tmp") else path)
+        if final.exists():
+            return final
+    return None
+
+
+def model_state_in(saved):
+    """The model's state_dict inside what was saved: the dict itself, or a dict of tensors nested in it."""
+    if isinstance(saved, dict) and saved and all(isinstance(value, torch.Tensor) for value in saved.values()):
+        return saved
+    for value in saved.values() if isinstance(saved, dict) else ():
+        found = model_state_in(value)
+        if found is not None:
+            return found
+    return None
+
+
+def checkpoint_problems(writes, workdir):
+    path = last_saved(writes, workdir)
+    if path is None:
+        return []  # writer_problems says it
+    try:
+        state = model_state_in(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as error:
+        return [f"{path.name} cannot be loaded ({type(error).__name__}: {str(error).splitlines()[0]})"]
+    expected = make_workload().model.state_dict().keys()
+    if state is None:
+        return [f"{path.name} holds no model state_dict"]
+    if set(state) == {f"module.{key}" for key in expected}:
+        return [f"{path.name} holds the DDP wrapper's state_dict (every key starts with 'module.'), which a plain "
+                "model cannot load: save self.model.module.state_dict()"]
+    try:
+        make_workload().model.load_state_dict(state)
+    except RuntimeError as error:
+        return [f"{path.name} does not load into a fresh model: {str(error).splitlines()[0]}"]
+    return []
+
+
+def loss_problems(output, epochs):
+    losses = epoch_losses(output)
+    missing = [epoch for epoch in range(epochs) if epoch not in losses]
+    if missing:
+        return [f"no line reported epoch {listed(missing)}: after each epoch rank 0 prints "
+                "`[rank 0/2 | cpu] epoch K | steps S | loss L | ...`"]
+    if not losses[epochs - 1] < 0.5 * losses[0]:
+        return [f"the model did not learn: the loss went from {losses[0]} (epoch 0) to {losses[epochs - 1]} "
+                f"(epoch {epochs - 1})"]
+    return []
+
+
+def training_problems(job, workdir, epochs, multinode=False):
+    """Everything a correct data-parallel run shows, whatever the launcher."""
+    problems = exit_problems(job) or process_problems(job.samples)
+    if problems:
+        return problems
+    return (ddp_problems(job.samples) + shard_problems(job.samples) + order_problems(job.samples)
+            + writer_problems(job.writes, multinode) + checkpoint_problems(job.writes, workdir)
+            + loss_problems(job.output, epochs))
+
+
+def check_ddp(script, workdir, say):
+    """Exercise 1: `python SCRIPT 3 1 --world_size 2` trains 2 DDP ranks on disjoint, reshuffled shards."""
+    epochs = 3
+    cmd = [PYTHON, script, epochs, 1, "--world_size", WORLD_SIZE, "--timeout", COLLECTIVE_TIMEOUT_S]
+    say(f"running: {shown(cmd)}")
+    job = launch([cmd], [workdir], workdir / "records", timeout=90)
+    return training_problems(job, workdir, epochs)
+
+
+def check_resume(script, workdir, say):
+    """Exercise 2: under torchrun --max_restarts=2, rank 1 is killed as it begins epoch 2; the job must resume
+    at epoch 2 (no epoch lost, none repeated) and finish."""
+    epochs = 4
+    # two restarts allowed, so one that fails for reasons of its own (a slow start on a busy machine) is retried
+    cmd = [*torchrun(script, epochs, 1, nproc=WORLD_SIZE, launcher_args=["--max_restarts=2"]),
+           "--timeout", COLLECTIVE_TIMEOUT_S]
+    say(f"running: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {shown(cmd)}")
+    say(f"         and killing rank 1 (SIGKILL) as it begins epoch {KILLED_EPOCH}")
+    job = launch([cmd], [workdir], workdir / "records", timeout=120, kill_at=(0, 1, KILLED_EPOCH),
+                 extra_env=FRESH_STORE)
+    restarted = [row for row in job.samples if row["restart"] >= 1 and row["rank"] == 0]
+    if not job.hung and not restarted and not any(row["restart"] == 0 and row["number"] >= KILLED_EPOCH - 1
+                                                  for row in job.samples):
+        return exit_problems(job) or [f"the job ended before epoch {KILLED_EPOCH}, so it was never killed"]
+    problems = training_problems(job, workdir, epochs)
+    if job.hung or any(code != 0 for code in job.codes):
+        return problems
+    resumed_at = [row["epoch"] for row in restarted]
+    if not restarted:
+        return problems + ["no rank trained after the restart"]
+    if None in resumed_at:
+        return problems + ["the restarted job's sampler has no epoch: use a DistributedSampler and set_epoch"]
+    first = min(resumed_at)
+    if first == 0:
+        problems.append(f"after the kill in epoch {KILLED_EPOCH} the restarted job started over from epoch 0: "
+                        f"epochs 0-{KILLED_EPOCH - 1} were lost. Save a snapshot (model, optimizer, epochs run) every "
+                        "save_every epochs, and at start load it, if it exists, and go on from there")
+    elif first < KILLED_EPOCH:
+        problems.append(f"the restarted job repeated epoch {listed(range(first, KILLED_EPOCH))}, which finished and "
+                        f"was saved before the kill: store the number of epochs *run* (epoch + 1) and start there")
+    elif first > KILLED_EPOCH:
+        problems.append(f"the restarted job skipped epoch {listed(range(KILLED_EPOCH, first))}, which the kill "
+                        "interrupted: resume at the first epoch that did not finish")
+    if max(resumed_at) != epochs - 1:
+        problems.append(f"the restarted job stopped after epoch {max(resumed_at)}, not {epochs - 1}")
+    return problems
+
+
+def check_two_nodes(script, workdir, say):
+    """Exercise 3: two torchrun "nodes" on this machine. Sharing one directory they train with one writer;
+    each in its own directory (a disk of its own) with the snapshot on node 0's only, they must not train
+    out of step: stop with an error, or resume every rank from the same epoch."""
+    epochs, endpoint = 3, f"127.0.0.1:{free_port()}"
+    cmd = [*torchrun_node(script, epochs, 1, endpoint=endpoint, run_id="check"), "--timeout", COLLECTIVE_TIMEOUT_S]
+    shared = workdir / "shared"
+    shared.mkdir()
+    say(f"running: {shown(cmd)}   (twice: 2 nodes sharing one directory)")
+    job = launch([cmd, cmd], [shared, shared], workdir / "records-shared", timeout=120)
+    problems = training_problems(job, shared, epochs, multinode=True)
+    snapshot = last_saved(job.writes, shared)
+    if problems or snapshot is None:
+        return problems
+    nodes = [workdir / "node0", workdir / "node1"]
+    for node in nodes:
+        node.mkdir()
+    shutil.copy(snapshot, nodes[0] / snapshot.name)
+    more_epochs, endpoint = epochs + 2, f"127.0.0.1:{free_port()}"
+    cmd = [*torchrun_node(script, more_epochs, 1, endpoint=endpoint, run_id="check"), "--timeout", 30]
+    say(f"running it again for {more_epochs} epochs, each node in its own directory; only node 0's has "
+        f"{snapshot.name}")
+    job = launch([cmd, cmd], nodes, workdir / "records-apart", timeout=90)
+    first_epoch = {rank: min(row["number"] if row["epoch"] is None else row["epoch"]
+                             for row in job.samples if row["rank"] == rank) for rank in ranks_of(job.samples)}
+    if len(set(first_epoch.values())) > 1:
+        starts = "; ".join(f"rank {rank} began at epoch {epoch}" for rank, epoch in first_epoch.items())
+        ended = ("it hung until stopped" if job.hung else "it finished as if all was well" if job.codes == [0, 0]
+                 else "it crashed once their collectives no longer matched")
+        return [f"the nodes trained out of step: {starts} (each node read its own disk), and {ended}. Before "
+                "training, check that every rank resumes from the same epoch (all_reduce it) and stop with an "
+                "error that says to put --snapshot_path on storage every node shares"]
+    if first_epoch:
+        return exit_problems(job)  # every rank resumed from the same epoch (e.g. rank 0's snapshot was shared)
+    if job.hung:
+        return [f"it hung for {job.timeout} s instead of stopping with an error when the nodes' snapshots differ"]
+    if job.codes == [0, 0]:
+        return ["it exited 0 without training when the nodes' snapshots differ: stop with an error instead"]
+    errors = [line for line in job.output.splitlines() if line.startswith("error")]
+    say(f"it refused to train out of step, with: {errors[0] if errors else job.output.strip().splitlines()[-1]}")
+    return []
+
+
+CHECKS = {1: check_ddp, 2: check_resume, 3: check_two_nodes}
+
+
+def check(number, script, workdir, say=lambda line: None):
+    """Run exercise `number`'s checks on `script` in the empty directory `workdir`; return the problems found."""
+    return CHECKS[number](Path(script).resolve(), Path(workdir), say)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("exercise", type=int, choices=sorted(EXERCISES), help="Which exercise")
+    parser.add_argument("script", type=Path, help="Your script")
+    args = parser.parse_args()
+    if not args.script.is_file():
+        sys.exit(f"error: {args.script} is not a file")
+    print(f"Exercise {args.exercise}: checking {args.script}")
+    with tempfile.TemporaryDirectory(prefix="exercise-") as workdir:
+        problems = check(args.exercise, args.script, workdir, say=lambda line: print(f"  {line}"))
+    for problem in problems:
+        print(f"  ✗ {problem}")
+    if problems:
+        sys.exit(f"{len(problems)} problem(s). Hints: exercises/{EXERCISES[args.exercise]}/hints.md")
+    print(f"  ✓ all checks passed. Compare with the repository's step: "
+          f"{['multigpu.py', 'multigpu_torchrun.py', 'multinode.py'][args.exercise - 1]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The workshop checker keeps its promise: the repository's own steps pass every exercise, each starting file fails
+with the message its exercise is about, and seeded mistakes are named in the learner's terms."""
+import re
+
+import pytest
+
+from exercises.check import check
+from support import PYTHON, REPO, run, script
+
+STEPS = {1: "multigpu.py", 2: "multigpu_torchrun.py", 3: "multinode.py"}
+STARTS = {1: "exercises/1_ddp/start.py", 2: "exercises/2_survive_a_kill/start.py", 3: "exercises/3_two_nodes/start.py"}
+
+
+def seeded(tmp_path, step, *edits):
+    """A copy of a step script with mistakes put in: each edit is (text, replacement), and each text must occur."""
+    text = (REPO / step).read_text()
+    for old, new in edits:
+        assert re.search(old, text), f"{step} no longer contains {old!r}: update this seeded mistake"
+        text = re.sub(old, new, text)
+    path = tmp_path / f"mistaken_{step}"
+    path.write_text(text)
+    return path
+
+
+def checked(number, path, tmp_path):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    return "\n".join(check(number, path, workdir))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("number", sorted(STEPS))
+def test_the_repositorys_step_passes_its_exercise(number, tmp_path):
+    assert checked(number, script(STEPS[number]), tmp_path) == ""
+
+
+def test_starting_file_1_runs_in_one_process_and_the_checker_says_so(tmp_path):
+    proc = run([PYTHON, REPO / "exercises/check.py", 1, REPO / STARTS[1]], cwd=tmp_path, check=False)
+    assert proc.returncode == 1, proc.output
+    assert "✗ only one process trained: start 2 processes (mp.spawn(" in proc.output
+    assert "1 problem(s). Hints: exercises/1_ddp/hints.md" in proc.output
+
+
+@pytest.mark.slow
+def test_starting_file_2_starts_over_after_the_kill(tmp_path):
+    problems = checked(2, REPO / STARTS[2], tmp_path)
+    assert "the restarted job started over from epoch 0: epochs 0-1 were lost" in problems
+
+
+@pytest.mark.slow
+def test_starting_file_3_trains_out_of_step_when_nodes_have_their_own_disks(tmp_path):
+    problems = checked(3, REPO / STARTS[3], tmp_path)
+    assert re.search(r"the nodes trained out of step: rank 0 began at epoch 3; rank 1 began at epoch 0", problems)
+
+
+def test_checker_refuses_a_missing_script(tmp_path):
+    proc = run([PYTHON, REPO / "exercises/check.py", 1, "no_such_script.py"], cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and proc.output.strip() == "error: no_such_script.py is not a file"
+
+
+def test_a_dataloader_without_distributed_sampler_shows_as_overlapping_ranks(tmp_path):
+    mistaken = seeded(tmp_path, "multigpu.py",
+                      (r"shuffle=False,\s*sampler=DistributedSampler\(dataset\)\)", "shuffle=True)"),
+                      (r"\n *self\.train_data\.sampler\.set_epoch\(epoch\).*", ""))
+    problems = checked(1, mistaken, tmp_path)
+    assert re.search(r"ranks 0 and 1 trained on the same samples: \d+ of the \d+ samples rank 0 saw in epoch 0 "
+                     r"were also rank 1's. The DataLoader uses a RandomSampler: give it "
+                     r"sampler=DistributedSampler\(dataset\)", problems), problems
+
+
+def test_a_missing_set_epoch_and_saving_on_every_rank_are_both_named(tmp_path):
+    mistaken = seeded(tmp_path, "multigpu.py",
+                      (r"\n *self\.train_data\.sampler\.set_epoch\(epoch\).*", ""),
+                      (r"if self\.rank == 0:  # the replicas are identical.*\n *", ""))
+    problems = checked(1, mistaken, tmp_path)
+    assert ("rank 0 trained on the same samples in the same order in epochs 0 and 1 (its DistributedSampler's "
+            "epoch stayed 0): call self.train_data.sampler.set_epoch(epoch)") in problems, problems
+    assert "ranks 0 and 1 all wrote checkpoint.pt: the replicas are identical, so one writer is enough" in problems
+
+
+@pytest.mark.slow
+def test_a_snapshot_that_stores_the_finished_epoch_repeats_it_after_the_kill(tmp_path):
+    mistaken = seeded(tmp_path, "multigpu_torchrun.py", (r"EPOCHS_RUN=epoch \+ 1\)", "EPOCHS_RUN=epoch)"))
+    problems = checked(2, mistaken, tmp_path)
+    assert problems == ("the restarted job repeated epoch 1, which finished and was saved before the kill: store "
+                        "the number of epochs *run* (epoch + 1) and start there"), problems
