@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from utils import vision
+
 SEED = 0
 
 
@@ -53,7 +55,12 @@ def synthetic_regression(seed, n_train=2048, n_eval=512, n_features=20, noise=0.
     return Workload(train_set, eval_set, model, optimizer, nn.MSELoss())
 
 
-WORKLOADS = {"synthetic": synthetic_regression}
+WORKLOADS = {
+    "synthetic": synthetic_regression,
+    "mnist": vision.mnist,  # small CNN; data in $TUTORIAL_DATA_DIR (default ./data), downloaded when online
+    "cifar10": vision.cifar10,  # resnet18 from scratch
+    "fakedata": vision.fakedata,  # random images, no files: offline benchmarks
+}
 
 
 class Metrics(dict):
