@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/overhead.py` from anywhere
 
 from utils.helpers import positive_int  # noqa: E402
+from utils.metrics import machine_summary  # noqa: E402
 from utils.workload import WORKLOADS  # noqa: E402
 
 GOAL = 1.10
@@ -95,16 +96,16 @@ def main():
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     os.environ.pop("TUTORIAL_RUN_DIR", None)  # the metrics call stays in the loop, as a no-op: no file I/O timed
-    print(f"single_gpu.py Trainer vs a bare loop on {device}"
-          + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else f", {args.threads} thread(s)")
-          + f", batch {args.batch_size}, {args.rounds} rounds, torch {torch.__version__}", flush=True)
+    print(f"single_gpu.py Trainer vs a bare loop on {device}, {args.threads} CPU thread(s), batch {args.batch_size}, "
+          f"{args.rounds} rounds; {machine_summary()}", flush=True)
     print("| workload | steps/epoch | bare ms/step | Trainer ms/step | ratio |\n|---|---:|---:|---:|---:|")
     worst = 0.0
     for name in args.workloads:
         trainer, bare, steps, _ = compare(name, args, device)
         worst = max(worst, trainer / bare)
         print(f"| {name} | {steps} | {bare * 1e3:.3f} | {trainer * 1e3:.3f} | {trainer / bare:.3f}x |", flush=True)
-    print(f"\nworst ratio {worst:.3f}x (goal <= {GOAL:.2f}x): {'met' if worst <= GOAL else 'NOT met'}")
+    print(f"\nworst ratio {worst:.3f}x (goal <= {GOAL:.2f}x): {'met' if worst <= GOAL else 'NOT met'}\n"
+          f"at the end: {machine_summary()}")
 
 
 if __name__ == "__main__":

@@ -5,12 +5,14 @@
     python benchmarks/scaling.py --devices gpu              # GPUs only (NCCL)
 
 For each world size N, N processes start (one CPU thread each, OMP_NUM_THREADS=1 and gloo; or one GPU each and
-NCCL) and take turns, round after round, between two ways of training the same workload for one epoch:
-  DDP:         the Trainer of multigpu.py: DDP model, DistributedSampler, gradients all-reduced every step
-  independent: the Trainer of single_gpu.py in every process: the same compute, no communication at all
-A barrier starts each epoch on every process at once; an epoch's throughput is all the processes' samples over the
-slowest one's time. Taking turns (in ABBA order) means a busy neighbour on the machine slows both alike; each
-figure is the median of the rounds (the first round is warm-up and does not count).
+NCCL) and take turns, round after round, between two ways of training on the same data:
+  DDP:         N epochs of multigpu.py's Trainer: DDP model, DistributedSampler, gradients all-reduced each step
+  independent: one epoch of single_gpu.py's Trainer in every process: the same compute, no communication at all
+so every process works through the whole dataset once per turn either way. A barrier starts each turn on every
+process at once; a turn's throughput is all the processes' samples over the slowest one's time. Taking turns (in
+ABBA order) means a busy neighbour on the machine slows both alike; each figure is the median of the rounds (the
+first round is warm-up and does not count). "of ceiling" compares DDP with independent processes of the same
+world size, measured side by side, so it holds up on a busy machine better than the speed-ups themselves.
 
 - efficiency = DDP(N) / (N x DDP(1)): how close to N times faster.
 - ceiling = independent(N) / independent(1): what N processes reach here with nothing to share. Cores share
@@ -24,7 +26,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,17 +37,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/scaling.py` from anywhere; the step scripts import too
 
 from utils.helpers import free_port, positive_int  # noqa: E402
+from utils.metrics import machine_summary  # noqa: E402
 from utils.workload import WORKLOADS  # noqa: E402
 
 
-def timed_epoch(trainer, epoch):
-    """Seconds one epoch of `trainer` takes on this process, started on every process at once."""
+def timed_turn(trainer, epochs):
+    """Seconds `epochs` epochs of `trainer` take on this process, started on every process at once."""
     import torch.distributed as dist
 
     dist.barrier()
     start = time.perf_counter()
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        trainer._run_epoch(epoch)  # ends with .item(): the device's work is done when it returns
+        for epoch in epochs:
+            trainer._run_epoch(epoch)  # ends with .item(): the device's work is done when it returns
     return time.perf_counter() - start
 
 
@@ -71,11 +74,16 @@ def worker(rank, world_size, device_kind, args, result_path):
         "ddp": multigpu.Trainer(shared.model, multigpu.prepare_dataloader(shared.train_set, args.batch_size),
                                 shared.optimizer, shared.loss_fn, device, save_every=1),
     }
-    samples = {kind: world_size * len(trainer.train_data.sampler) for kind, trainer in trainers.items()}
+    # A DDP epoch gives each rank 1/N of the data: N of them per turn give every process the same work as
+    # one independent epoch, so both kinds of turn last about as long.
+    epochs_per_turn = {"independent": 1, "ddp": world_size}
+    samples = {kind: world_size * len(trainer.train_data.sampler) * epochs_per_turn[kind]
+               for kind, trainer in trainers.items()}
     rates = {kind: [] for kind in trainers}
     for round_ in range(args.rounds + 1):
         for kind, trainer in list(trainers.items())[::1 if round_ % 2 else -1]:  # ABBA: drift favours neither
-            seconds = torch.tensor([timed_epoch(trainer, round_)], device=device)
+            turn = range(round_ * epochs_per_turn[kind], (round_ + 1) * epochs_per_turn[kind])
+            seconds = torch.tensor([timed_turn(trainer, turn)], device=device)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest process sets the pace
             if round_ > 0:  # round 0 warms up: allocator, caches, first all-reduce
                 rates[kind].append(samples[kind] / seconds.item())
@@ -180,11 +188,8 @@ def main():
     devices = {"all": ["cpu"] + (["gpu"] if gpus else []), "cpu": ["cpu"], "gpu": ["gpu"]}[args.devices]
     if "gpu" in devices and not gpus:
         sys.exit("error: --devices gpu, but this machine has no CUDA device")
-    machine = (f"{os.cpu_count()} CPU cores ({platform.machine()})"
-               + (f", {gpus} x {torch.cuda.get_device_name(0)}" if gpus else ", no GPU")
-               + f", torch {torch.__version__}")
-    print(f"scaling of {args.workload}, batch {args.batch_size} per process, {args.rounds} rounds, on {machine}",
-          flush=True)
+    print(f"scaling of {args.workload}, batch {args.batch_size} per process, {args.rounds} rounds, on "
+          f"{machine_summary()}", flush=True)
     os.environ.pop("TUTORIAL_RUN_DIR", None)  # the trainers' per-rank metrics files are not wanted here
     results = {}
     for device_kind in devices:
@@ -197,7 +202,7 @@ def main():
               f"that {widest['procs']} independent processes reach on this machine")
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot(results, args.plot, f"DDP scaling: {args.workload}, batch {args.batch_size} per process")
-    print(f"plot: {args.plot}")
+    print(f"plot: {args.plot}\nat the end: {machine_summary()}")
 
 
 if __name__ == "__main__":

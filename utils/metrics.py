@@ -53,3 +53,16 @@ def read_run(directory):
                 runs[records[0]["rank"]] = records
     return dict(sorted(runs.items()))
 
+
+
+def machine_summary():
+    """One line for a benchmark's header: what ran it, and how busy the machine was (other work skews timings)."""
+    import platform
+
+    import torch
+
+    gpus = torch.cuda.device_count()
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return (f"{os.cpu_count()} CPU cores ({platform.machine()})"
+            + (f", {gpus} x {torch.cuda.get_device_name(0)}" if gpus else ", no GPU")
+            + f", torch {torch.__version__}{load}")
