@@ -1,12 +1,13 @@
 """The image workloads: MNIST read by torchvision's own loader from the files it downloads, a clear stop when they
-are missing and cannot be fetched, and FakeData trained under DDP with a held-out accuracy that counts every
-sample exactly once across ranks."""
+are missing and cannot be fetched, FakeData trained under DDP, and held-out metrics that, across ranks, count every
+sample exactly once and score the same model (rank 0's) everywhere."""
 import re
 import struct
 import urllib.error
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from support import job_env, run, torchrun
 from utils import WORKLOADS, evaluate, make_workload
@@ -83,3 +84,37 @@ def test_fakedata_trains_under_ddp_and_held_out_accuracy_counts_each_sample_once
     expected = evaluate(workload.model, workload.eval_set, workload.loss_fn, torch.device("cpu"), True)
     assert float(held_out[2]) == pytest.approx(expected["loss"], abs=1e-4)
     assert float(held_out[3]) == pytest.approx(expected["accuracy"], abs=1e-4)
+
+
+def score_on_two_ranks(rank, port, result_path):
+    """One of two gloo processes: a BatchNorm model whose running statistics differ by rank, as DDP leaves them
+    after its last step (each rank updates them on its own batch), scored on 7 samples (2 does not divide 7)."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model, dataset = batchnorm_model_and_data()
+    model[1].running_mean += 3.0 * rank
+    metrics = evaluate(model, dataset, torch.nn.CrossEntropyLoss(), torch.device("cpu"), classification=True)
+    if rank == 0:
+        torch.save(dict(metrics), result_path)
+    dist.destroy_process_group()
+
+
+def batchnorm_model_and_data():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    return model, TensorDataset(torch.randn(7, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0]))
+
+
+def test_held_out_metrics_on_two_ranks_are_rank_0s_model_on_every_sample_once(tmp_path):
+    import torch.multiprocessing as mp
+
+    from utils import free_port
+
+    mp.spawn(score_on_two_ranks, args=(free_port(), tmp_path / "metrics.pt"), nprocs=2)
+    model, dataset = batchnorm_model_and_data()
+    expected = evaluate(model, dataset, torch.nn.CrossEntropyLoss(), torch.device("cpu"), classification=True)
+    assert torch.load(tmp_path / "metrics.pt") == pytest.approx(dict(expected), abs=1e-6)

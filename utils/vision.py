@@ -65,13 +65,20 @@ def _any_rank(flag):
 def load_splits(dataset_class, files_hint):
     """(train, test) splits of a torchvision dataset, downloaded first when missing and this machine is online.
 
-    Every rank takes part in one small all-reduce, so if the download fails anywhere, all ranks stop with
-    the same one-line message instead of some waiting forever.
+    The few tiny all-reduces keep the ranks in step: if the files are missing anywhere, one process per machine
+    downloads while the others wait, and if that fails anywhere, every rank stops with the same one-line message
+    instead of some of them waiting forever.
     """
     root, name = data_dir(), dataset_class.__name__
+    try:
+        splits = tuple(dataset_class(root, train=train) for train in (True, False))
+    except RuntimeError:  # "Dataset not found": fetch it below
+        splits = None
+    if not _any_rank(splits is None):
+        return splits
     problem = None
     if _is_download_leader():
-        try:  # download=True returns at once when the files are already there
+        try:
             for train in (True, False):
                 dataset_class(root, train=train, download=True)
         except Exception as error:  # no network (URLError), a partial or corrupt file (RuntimeError)...
@@ -83,7 +90,7 @@ def load_splits(dataset_class, files_hint):
                          f"({problem or 'on another machine'}; offline?): on a machine that is online run "
                          f"`python -c \"import torchvision; torchvision.datasets.{name}('data', download=True)\"`"
                          f", copy its data/ ({files_hint}) here, or set {DATA_DIR_VARIABLE} to where it is")
-    return dataset_class(root, train=True), dataset_class(root, train=False)
+    return tuple(dataset_class(root, train=train) for train in (True, False))
 
 
 def mnist(seed):

@@ -79,6 +79,8 @@ def evaluate(model, dataset, loss_fn, device, classification=False, batch_size=2
     """
     model = getattr(model, "module", model)  # the plain model: DDP's forward may sync buffers between ranks
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    for buffer in model.buffers() if world_size > 1 else ():  # BatchNorm statistics drift apart in the last step:
+        dist.broadcast(buffer, src=0)  # every rank scores rank 0's model, the one the checkpoint holds
     indices = range(rank, len(dataset), world_size)
     totals = torch.zeros(3, device=device)  # [summed loss, correct predictions, samples]
     was_training = model.training
