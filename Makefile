@@ -17,3 +17,8 @@ demo: $(STAMP)  ## run every step briefly on whatever this machine has
 
 test: $(STAMP)  ## the whole test suite
 	$(PY) -m pytest
+
+.PHONY: bench
+bench: $(STAMP)  ## the scaling and overhead benchmarks (a minute or two each; see README "Measure it")
+	$(PY) benchmarks/scaling.py
+	$(PY) benchmarks/overhead.py
