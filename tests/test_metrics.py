@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from support import PYTHON, epoch_losses, job_env, run, script, torchrun
+from support import epoch_losses, job_env, run, torchrun
 from tools import plot_metrics
 from utils import make_workload
 from utils.metrics import read_run
@@ -51,11 +51,12 @@ def test_the_logged_loss_is_each_ranks_own_and_they_average_to_the_printed_one(t
         assert mean == pytest.approx(printed[epoch], abs=1e-4)  # printed with 4 decimals
 
 
-def test_plot_draws_the_run_to_a_png(two_rank_run, tmp_path):
+def test_plot_draws_the_run_to_a_png(two_rank_run, tmp_path, monkeypatch, capsys):
     _, run_dir = two_rank_run
     out = tmp_path / "plot.png"
-    proc = run([PYTHON, script("tools/plot_metrics.py"), run_dir, "-o", out], cwd=tmp_path)
-    assert "2 ranks, 2 epochs" in proc.output
+    monkeypatch.setattr("sys.argv", ["plot_metrics.py", str(run_dir), "-o", str(out)])
+    plot_metrics.main()
+    assert "2 ranks, 2 epochs" in capsys.readouterr().out
     assert out.read_bytes().startswith(PNG_SIGNATURE) and out.stat().st_size > 10_000
 
 
