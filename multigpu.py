@@ -85,7 +85,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 def main(rank, world_size, args):
     ddp_setup(rank, world_size, args.timeout)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(world_size)
+    configure_cpu_threads(dist.get_world_size())  # every process of the job shares this machine's cores
     workload = load_train_objs(args.workload)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,

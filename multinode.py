@@ -18,8 +18,8 @@ from utils import WORKLOADS, configure_cpu_threads, evaluate, make_workload, pos
 from utils.metrics import log_rank_metrics  # writes only when TUTORIAL_RUN_DIR is set
 
 
-def ddp_setup(timeout_s):
-    if torch.cuda.is_available():  # torchrun set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process drives its own GPU
     dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet at MASTER_ADDR:PORT
                             timeout=timedelta(seconds=timeout_s))  # hang -> error
@@ -41,7 +41,7 @@ class Trainer:
         seen = torch.tensor([self.epochs_run, -self.epochs_run], device=device)  # every node reads its own disk:
         dist.all_reduce(seen, op=dist.ReduceOp.MAX)  # do all ranks resume from the same epoch?
         if seen[0] != -seen[1]:
-            raise SystemExit(f"error: ranks resume from different epochs ({-seen[1]} to {seen[0]}): put "
+            raise SystemExit(f"error: ranks resume from different epochs ({-int(seen[1])} to {int(seen[0])}): put "
                              "--snapshot_path on storage that every node shares")
         # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward()
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -109,7 +109,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 def main(args):
     ddp_setup(args.timeout)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only the processes of this node share its cores
     workload = load_train_objs(args.workload)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,

@@ -61,6 +61,14 @@ def test_torchrun_step_trains_and_snapshots_with_one_writer(tmp_path):
     assert not (tmp_path / "snapshot.pt.tmp").exists()
 
 
+def test_a_restarted_torchrun_job_resumes_after_the_last_completed_epoch(tmp_path):
+    run(torchrun("multigpu_torchrun.py", 2, 1), cwd=tmp_path)
+    resumed = run(torchrun("multigpu_torchrun.py", EPOCHS, 1), cwd=tmp_path)
+    assert "[rank 0/2 | cpu] resuming from epoch 2, restart 0" in resumed.output
+    assert sorted(epoch_losses(resumed.output)) == [2, 3], "epochs 0 and 1 were done already: none is repeated"
+    assert torch.load(tmp_path / "snapshot.pt", weights_only=True)["EPOCHS_RUN"] == EPOCHS
+
+
 def test_multinode_runs_as_two_nodes_on_localhost_with_one_writer(tmp_path):
     audit = tmp_path / "writes.tsv"
     endpoint = f"127.0.0.1:{free_port()}"
@@ -72,3 +80,22 @@ def test_multinode_runs_as_two_nodes_on_localhost_with_one_writer(tmp_path):
     assert_learned(output)
     assert_one_writer(audit, tmp_path / "snapshot.pt")
     assert_loads_into_fresh_model(tmp_path / "snapshot.pt", key="MODEL_STATE")
+
+
+def test_nodes_that_see_different_snapshots_refuse_to_train(tmp_path):
+    """Each node reads the snapshot path on its own disk. Node 0 finds a snapshot (1 epoch done), node 1 finds
+    none: instead of training mismatched replicas, both stop and say the path must be on shared storage."""
+    node_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for directory in node_dirs:
+        directory.mkdir()
+    run(torchrun("multigpu_torchrun.py", 1, 1), cwd=node_dirs[0])
+    before = (node_dirs[0] / "snapshot.pt").read_bytes()
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [start(torchrun_node("multinode.py", EPOCHS, 1, endpoint=endpoint), cwd=directory,
+                   log=tmp_path / f"node{n}.log") for n, directory in enumerate(node_dirs)]
+    codes = [node.wait(timeout=120) for node in nodes]
+    output = "".join((tmp_path / f"node{n}.log").read_text() for n in range(2))
+    assert codes[0] != 0 and codes[1] != 0, output
+    assert "error: ranks resume from different epochs (0 to 1): put --snapshot_path on storage that every node " \
+           "shares" in output
+    assert (node_dirs[0] / "snapshot.pt").read_bytes() == before and not (node_dirs[1] / "snapshot.pt").exists()

@@ -1,0 +1,78 @@
+"""Bad input gets one clear line and a non-zero exit: never a bare traceback, never a silent exit 0."""
+import runpy
+import sys
+
+import pytest
+import torch
+
+from support import PYTHON, run, script
+
+STEPS = ["single_gpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py"]
+
+
+def assert_one_clear_error(proc, *words):
+    assert proc.returncode != 0, proc.output
+    assert "Traceback" not in proc.output, proc.output
+    last = proc.output.strip().splitlines()[-1]
+    assert "error" in last and all(word in last for word in words), proc.output
+
+
+def run_main(monkeypatch, step, *args):
+    """Run a step's `__main__` in this process (fast: argument errors stop it before any process starts)."""
+    monkeypatch.setattr(sys, "argv", [step, *args])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(script(step), run_name="__main__")
+    return stop.value
+
+
+@pytest.mark.parametrize("epochs", ["0", "-3", "ten"])
+@pytest.mark.parametrize("step", STEPS)
+def test_epochs_must_be_a_positive_whole_number(tmp_path, monkeypatch, capsys, step, epochs):
+    monkeypatch.chdir(tmp_path)
+    assert run_main(monkeypatch, step, epochs, "1").code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"{step}: error: argument total_epochs:"), error
+    assert list(tmp_path.iterdir()) == [], "nothing may be written"
+
+
+def test_a_bad_argument_exits_non_zero_for_real(tmp_path):
+    proc = run([PYTHON, script("multigpu.py"), "0", "1"], cwd=tmp_path, check=False)
+    assert_one_clear_error(proc, "total_epochs", "at least 1")
+
+
+def test_world_size_must_be_at_least_one(monkeypatch, capsys):
+    assert run_main(monkeypatch, "multigpu.py", "2", "1", "--world_size", "0").code == 2
+    assert "error: argument --world_size: must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("step", ["multigpu_torchrun.py", "multinode.py"])
+def test_a_torchrun_script_started_with_plain_python_says_how_to_launch_it(tmp_path, step):
+    proc = run([PYTHON, script(step), "50", "10"], cwd=tmp_path, check=False)
+    assert_one_clear_error(proc, "torchrun", f"{step} 50 10")
+    assert "KeyError" not in proc.output
+
+
+def pretend_one_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+def test_more_spawned_processes_than_gpus_is_refused(monkeypatch):
+    """The check runs before any process starts, so a machine without GPUs can test it by pretending to have 1."""
+    pretend_one_gpu(monkeypatch)
+    assert "--world_size 2 > 1 GPUs" in str(run_main(monkeypatch, "multigpu.py", "2", "1", "--world_size", "2"))
+
+
+@pytest.mark.parametrize("step", ["multigpu_torchrun.py", "multinode.py"])
+def test_more_torchrun_processes_than_gpus_is_refused(monkeypatch, step):
+    pretend_one_gpu(monkeypatch)
+    for name, value in {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    assert "2 processes on this machine but 1 GPU(s)" in str(run_main(monkeypatch, step, "2", "1"))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_machine_world_size_above_the_gpu_count_is_refused(tmp_path):
+    too_many = torch.cuda.device_count() + 1
+    proc = run([PYTHON, script("multigpu.py"), "1", "1", "--world_size", str(too_many)], cwd=tmp_path, check=False)
+    assert_one_clear_error(proc, "--world_size")

@@ -1,0 +1,43 @@
+"""The README is the tutorial's front page: its diffs are the scripts' real diffs, and the steps stay small."""
+import re
+
+import pytest
+
+from tools import stepdiff
+from tools.launch import REPO
+
+README = (REPO / "README.md").read_text()
+PAIRS = list(zip(stepdiff.steps(), stepdiff.steps()[1:]))
+
+
+def test_the_readme_diffs_are_generated_from_the_scripts():
+    assert stepdiff.render(README) == README, "stale: run `python tools/stepdiff.py --write`"
+
+
+def test_a_stale_diff_is_noticed():
+    stale = README.replace("+from torch.utils.data.distributed import DistributedSampler\n", "", 1)
+    assert stale != README and stepdiff.render(stale) != stale
+
+
+@pytest.mark.parametrize("old, new", PAIRS)
+def test_every_step_shows_its_diff_against_the_previous_one(old, new):
+    assert f"<!-- diff {old} {new} -->" in README
+
+
+@pytest.mark.parametrize("name", stepdiff.steps())
+def test_each_script_reads_in_one_sitting(name):
+    assert len(stepdiff.lines_of(name)) <= stepdiff.MAX_SCRIPT_LINES
+
+
+@pytest.mark.parametrize("old, new", PAIRS)
+def test_each_step_is_a_small_diff_of_the_previous_one(old, new):
+    assert stepdiff.changed_lines(old, new) <= stepdiff.DIFF_BUDGET
+
+
+def test_the_first_commands_are_make_demo_and_make_test():
+    before_first_section = README.split("\n## ", 1)[0]
+    assert "make demo" in before_first_section and "make test" in before_first_section
+
+
+def test_ci_runs_the_readme_test_command():
+    assert re.search(r"^make test\b", (REPO / ".ci" / "run").read_text(), re.M)
