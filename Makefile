@@ -40,3 +40,8 @@ dataparallel-vs-ddp: $(STAMP)  ## nn.DataParallel against DDP (on a CPU: one pro
 .PHONY: notebooks
 notebooks: $(STAMP)  ## re-run the walkthrough notebooks and store their outputs (commit them afterwards)
 	$(PY) notebooks/execute.py
+
+.PHONY: bench
+bench: $(STAMP)  ## the scaling and overhead benchmarks (a minute or two each; see README "Measure it")
+	$(PY) benchmarks/scaling.py
+	$(PY) benchmarks/overhead.py

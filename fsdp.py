@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
-                   log_memory, replace_directory, require_cuda_for_fsdp_options, require_torchrun)
+                   fsdp_options, log_memory, log_rank_metrics, replace_directory, require_torchrun)
 
 
 def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
@@ -76,6 +76,7 @@ class Trainer:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
+        log_rank_metrics(epoch, len(self.train_data), totals, start)  # this rank's own totals, not summed over ranks
         dist.all_reduce(totals)  # summed over ranks (gloo has no AVG): the loss below is every rank's mean
         mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
@@ -116,8 +117,7 @@ def main(args):
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only the processes of this node share its cores
     workload = load_train_objs(args.workload)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
-    fsdp = args.strategy == "fsdp" and dict(mp_policy=MixedPrecisionPolicy(torch.bfloat16 if args.bf16 else None),
-                                            offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy())
+    fsdp = fsdp_options(args)  # fully_shard's mixed precision and offload policies; None with --strategy ddp
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
                       args.save_every, args.snapshot_path, fsdp, args.verbose)
     trainer.train(args.total_epochs)
@@ -144,7 +144,6 @@ if __name__ == "__main__":
     parser.add_argument("--verbose", action="store_true", help="Print every rank's memory at each epoch")
     args = parser.parse_args()
 
-    require_cuda_for_fsdp_options(args)  # --bf16 and --cpu_offload: FSDP on GPUs only
     require_torchrun("torchrun --nnodes=2 --nproc_per_node=1 --rdzv_id=job1 --rdzv_backend=c10d "
                      "--rdzv_endpoint=HEAD:29500")  # a clear error for plain `python`, or more processes than GPUs
     main(args)

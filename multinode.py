@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
-                   require_torchrun)
+                   log_rank_metrics, require_torchrun)
 
 
 def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
@@ -73,6 +73,7 @@ class Trainer:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
+        log_rank_metrics(epoch, len(self.train_data), totals, start)  # this rank's own totals, not summed over ranks
         dist.all_reduce(totals)  # summed over ranks (gloo has no AVG): the loss below is every rank's mean
         mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
         samples_per_s = totals[1].item() / (time.perf_counter() - start)

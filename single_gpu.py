@@ -8,7 +8,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from utils import WORKLOADS, evaluate, make_workload, positive_int
+from utils import WORKLOADS, evaluate, log_rank_metrics, make_workload, positive_int
 
 
 class Trainer:
@@ -35,6 +35,7 @@ class Trainer:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
+        log_rank_metrics(epoch, len(self.train_data), totals, start)  # this rank's own totals, not summed over ranks
         mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "

@@ -53,10 +53,19 @@ def require_torchrun(example="torchrun --standalone --nproc_per_node=2"):
     require_a_gpu_each(int(os.environ["LOCAL_WORLD_SIZE"]), "--nproc_per_node=gpu")
 
 
-def require_cuda_for_fsdp_options(args):
-    """fsdp.py's --bf16 and --cpu_offload shard-level options are for FSDP on CUDA GPUs: elsewhere one clear line."""
+def fsdp_options(args):
+    """fsdp.py's keyword arguments for fully_shard, from its command line; None for --strategy ddp.
+
+    --bf16 computes in bfloat16 (mixed precision: the shards stay float32), --cpu_offload keeps the shards in CPU
+    memory between uses. Both are for FSDP on CUDA GPUs: elsewhere they stop the job with one clear line.
+    """
     if (args.bf16 or args.cpu_offload) and not (args.strategy == "fsdp" and torch.cuda.is_available()):
         raise SystemExit("error: --bf16 and --cpu_offload are options of --strategy fsdp on CUDA GPUs")
+    if args.strategy != "fsdp":
+        return None
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+    return dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None),
+                offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy())
 
 
 def require_a_gpu_each(processes, hint):

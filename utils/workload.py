@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from utils import vision
+
 SEED = 0
 
 
@@ -53,7 +55,12 @@ def synthetic_regression(seed, n_train=2048, n_eval=512, n_features=20, noise=0.
     return Workload(train_set, eval_set, model, optimizer, nn.MSELoss())
 
 
-WORKLOADS = {"synthetic": synthetic_regression}
+WORKLOADS = {
+    "synthetic": synthetic_regression,
+    "mnist": vision.mnist,  # small CNN; data in $TUTORIAL_DATA_DIR (default ./data), downloaded when online
+    "cifar10": vision.cifar10,  # resnet18 from scratch
+    "fakedata": vision.fakedata,  # random images, no files: offline benchmarks
+}
 
 
 class Metrics(dict):
@@ -75,6 +82,8 @@ def evaluate(model, dataset, loss_fn, device, classification=False, batch_size=2
     """
     model = getattr(model, "module", model)  # the plain model: DDP's forward may sync buffers between ranks
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    for buffer in model.buffers() if world_size > 1 else ():  # BatchNorm statistics drift apart in the last step:
+        dist.broadcast(buffer, src=0)  # every rank scores rank 0's model, the one the checkpoint holds
     indices = range(rank, len(dataset), world_size)
     most_indices = len(range(0, len(dataset), world_size))  # rank 0's share, the largest
     totals = torch.zeros(3, device=device)  # [summed loss, correct predictions, samples]

@@ -1,0 +1,120 @@
+"""The image workloads: MNIST read by torchvision's own loader from the files it downloads, a clear stop when they
+are missing and cannot be fetched, FakeData trained under DDP, and held-out metrics that, across ranks, count every
+sample exactly once and score the same model (rank 0's) everywhere."""
+import re
+import struct
+import urllib.error
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from support import job_env, run, torchrun
+from utils import WORKLOADS, evaluate, make_workload
+from utils.vision import FAKEDATA_SIZES
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+
+def write_idx(path, array):
+    """A uint8 array in the idx format MNIST ships in: magic (0, 0, type 0x08 = ubyte, rank), sizes, bytes."""
+    header = struct.pack(">I", 0x0800 | array.dim()) + struct.pack(f">{array.dim()}I", *array.shape)
+    path.write_bytes(header + array.numpy().tobytes())
+
+
+def tiny_mnist(root, train_size=12, test_size=5):
+    """root/MNIST/raw/ with the four files torchvision looks for; images and labels the test can recognize."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    splits = {}
+    for prefix, size in (("train", train_size), ("t10k", test_size)):
+        images = torch.randint(0, 256, (size, 28, 28), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+        labels = torch.arange(size, dtype=torch.uint8) % 10
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+        splits[prefix] = images, labels
+    return splits
+
+
+def test_every_image_workload_is_registered():
+    assert {"synthetic", "mnist", "cifar10", "fakedata"} <= set(WORKLOADS)
+
+
+def test_mnist_is_read_from_the_data_dir_in_its_on_disk_format(tmp_path, monkeypatch):
+    splits = tiny_mnist(tmp_path)
+    monkeypatch.setenv("TUTORIAL_DATA_DIR", str(tmp_path))
+    workload = make_workload("mnist")
+
+    for dataset, (images, labels) in ((workload.train_set, splits["train"]), (workload.eval_set, splits["t10k"])):
+        pixels, targets = dataset[:]
+        assert pixels.shape == (len(images), 1, 28, 28) and pixels.dtype == torch.float32
+        assert torch.equal(targets, labels.long())
+        restored = (pixels[:, 0] * MNIST_STD + MNIST_MEAN) * 255  # undo the normalization: the file's bytes again
+        assert torch.allclose(restored, images.float(), atol=1e-3)
+    assert workload.classification
+    assert workload.model(workload.train_set[:3][0]).shape == (3, 10)  # one score per digit
+
+
+def test_missing_dataset_that_cannot_be_downloaded_stops_with_one_clear_line(tmp_path, monkeypatch):
+    import torchvision
+
+    def offline(self):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(torchvision.datasets.MNIST, "download", offline)
+    monkeypatch.setenv("TUTORIAL_DATA_DIR", str(tmp_path / "empty"))
+    with pytest.raises(SystemExit) as stop:
+        make_workload("mnist")
+    message = str(stop.value)
+    assert message.startswith("error: MNIST is not in") and "\n" not in message
+    assert "download=True" in message and "TUTORIAL_DATA_DIR" in message and "URLError" in message
+
+
+def test_fakedata_trains_under_ddp_and_held_out_accuracy_counts_each_sample_once(tmp_path):
+    proc = run(torchrun("multigpu_torchrun.py", 1, 1, "--workload", "fakedata"), cwd=tmp_path, env=job_env())
+    held_out = re.search(r"\[rank 0/2 [^\]]*\] held-out (\d+) samples \| loss ([\d.]+) \| accuracy ([\d.]+)",
+                         proc.output)
+    assert held_out, proc.output
+    assert int(held_out[1]) == FAKEDATA_SIZES[1]  # 499: prime, so the 2 ranks cannot split it evenly
+
+    # The same weights scored in this one process, over every held-out sample once, must give the same numbers:
+    # a sample counted twice (as DistributedSampler's padding would) moves the accuracy by >= 1/500 x accuracy.
+    workload = make_workload("fakedata")
+    workload.model.load_state_dict(torch.load(tmp_path / "snapshot.pt", weights_only=True)["MODEL_STATE"])
+    expected = evaluate(workload.model, workload.eval_set, workload.loss_fn, torch.device("cpu"), True)
+    assert float(held_out[2]) == pytest.approx(expected["loss"], abs=1e-4)
+    assert float(held_out[3]) == pytest.approx(expected["accuracy"], abs=1e-4)
+
+
+def score_on_two_ranks(rank, port, result_path):
+    """One of two gloo processes: a BatchNorm model whose running statistics differ by rank, as DDP leaves them
+    after its last step (each rank updates them on its own batch), scored on 7 samples (2 does not divide 7)."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model, dataset = batchnorm_model_and_data()
+    model[1].running_mean += 3.0 * rank
+    metrics = evaluate(model, dataset, torch.nn.CrossEntropyLoss(), torch.device("cpu"), classification=True)
+    if rank == 0:
+        torch.save(dict(metrics), result_path)
+    dist.destroy_process_group()
+
+
+def batchnorm_model_and_data():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    return model, TensorDataset(torch.randn(7, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0]))
+
+
+def test_held_out_metrics_on_two_ranks_are_rank_0s_model_on_every_sample_once(tmp_path):
+    import torch.multiprocessing as mp
+
+    from utils import free_port
+
+    mp.spawn(score_on_two_ranks, args=(free_port(), tmp_path / "metrics.pt"), nprocs=2)
+    model, dataset = batchnorm_model_and_data()
+    expected = evaluate(model, dataset, torch.nn.CrossEntropyLoss(), torch.device("cpu"), classification=True)
+    assert torch.load(tmp_path / "metrics.pt") == pytest.approx(dict(expected), abs=1e-6)

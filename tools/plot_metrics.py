@@ -1,0 +1,69 @@
+"""Draw a run's per-rank metrics: training loss per rank, and throughput per epoch (each rank and all together).
+
+    TUTORIAL_RUN_DIR=runs/try1 torchrun --standalone --nproc_per_node=2 multigpu_torchrun.py 10 5
+    python tools/plot_metrics.py runs/try1                 # -> runs/try1/metrics.png
+    python tools/plot_metrics.py runs/try1 -o loss.png
+
+The loss is each rank's own mean over its share of the data (not the all-reduced one the scripts print), so
+the lines differ a little from rank to rank; throughput is samples per second per epoch.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python tools/plot_metrics.py` from anywhere
+
+from utils.metrics import read_run  # noqa: E402
+
+
+def plot(runs, out_path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    figure, (loss_axes, speed_axes) = plt.subplots(1, 2, figsize=(11, 4))
+    for rank, records in runs.items():
+        loss_axes.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", label=f"rank {rank}")
+        speed_axes.plot([r["epoch"] for r in records], [r["samples_per_s"] for r in records], marker=".",
+                        label=f"rank {rank}")
+    if len(runs) > 1:  # the job's throughput: every rank's samples per epoch, at the pace of the slowest
+        by_epoch = {}
+        for records in runs.values():
+            for r in records:
+                by_epoch.setdefault(r["epoch"], []).append(r)
+        epochs = sorted(e for e, rs in by_epoch.items() if len(rs) == len(runs))
+        total = [sum(r["samples"] for r in by_epoch[e]) / max(r["seconds"] for r in by_epoch[e]) for e in epochs]
+        speed_axes.plot(epochs, total, marker="o", color="black", label="all ranks")
+    loss_axes.set(xlabel="optimizer step", ylabel="training loss (this rank's mean)", title="loss per rank")
+    speed_axes.set(xlabel="epoch", ylabel="samples/s", title="throughput per epoch")
+    speed_axes.set_ylim(bottom=0)
+    speed_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for axes in (loss_axes, speed_axes):
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(out_path, dpi=100)
+    plt.close(figure)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="the TUTORIAL_RUN_DIR of a run (holds rank0.jsonl, rank1.jsonl...)")
+    parser.add_argument("-o", "--out", help="PNG to write (default: RUN_DIR/metrics.png)")
+    args = parser.parse_args()
+    if not os.path.isdir(args.run_dir):
+        sys.exit(f"error: no run directory {args.run_dir} (set TUTORIAL_RUN_DIR when training to create one)")
+    runs = read_run(args.run_dir)
+    if not runs:
+        sys.exit(f"error: no rank*.jsonl metrics in {args.run_dir} (was TUTORIAL_RUN_DIR set when training?)")
+    out_path = args.out or os.path.join(args.run_dir, "metrics.png")
+    plot(runs, out_path, f"{args.run_dir}: {len(runs)} rank(s)")
+    print(f"wrote {out_path} ({len(runs)} ranks, {max(len(r) for r in runs.values())} epochs)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Per-rank metrics: every rank appends one JSON line per epoch to its own file in a run directory.
+
+    TUTORIAL_RUN_DIR=runs/try1 torchrun --standalone --nproc_per_node=2 multigpu_torchrun.py 10 5
+    python tools/plot_metrics.py runs/try1          # -> runs/try1/metrics.png
+
+Unset TUTORIAL_RUN_DIR, nothing is written. Each rank writes its own file (rank0.jsonl, rank1.jsonl...), so no
+rank waits for another and a straggler shows up as itself; a run that resumes from a snapshot appends to them.
+"""
+import json
+import os
+import time
+
+import torch.distributed as dist
+
+RUN_DIR_VARIABLE = "TUTORIAL_RUN_DIR"
+
+
+def run_dir():
+    """The run directory, or None when metrics are off."""
+    return os.environ.get(RUN_DIR_VARIABLE) or None
+
+
+def rank_file(directory, rank):
+    return os.path.join(directory, f"rank{rank}.jsonl")
+
+
+def log_rank_metrics(epoch, steps_per_epoch, totals, start):
+    """Append this rank's epoch to <run dir>/rank<R>.jsonl: call it with the rank's own [summed loss, samples]
+    totals, before they are all-reduced, and the perf_counter() the epoch started at. Once per epoch: its one
+    host sync (reading `totals`) costs nothing next to an epoch, and training steps never wait for it."""
+    directory = run_dir()
+    if directory is None:
+        return
+    summed_loss, samples = totals.tolist()  # waits for the device: the clock below covers the epoch's work
+    seconds = time.perf_counter() - start
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    record = dict(rank=rank, world_size=world_size, epoch=epoch, step=(epoch + 1) * steps_per_epoch,
+                  loss=summed_loss / max(samples, 1), samples=int(samples), seconds=seconds,
+                  samples_per_s=samples / seconds, time=time.time())
+    os.makedirs(directory, exist_ok=True)
+    with open(rank_file(directory, rank), "a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+def read_run(directory):
+    """{rank: [record, ...]} from a run directory, each rank's records in the order written."""
+    runs = {}
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("rank") and name.endswith(".jsonl"):
+            with open(os.path.join(directory, name)) as lines:
+                records = [json.loads(line) for line in lines if line.strip()]
+            if records:
+                runs[records[0]["rank"]] = records
+    return dict(sorted(runs.items()))
+
+
+
+def machine_summary():
+    """One line for a benchmark's header: what ran it, and how busy the machine was (other work skews timings)."""
+    import platform
+
+    import torch
+
+    gpus = torch.cuda.device_count()
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return (f"{os.cpu_count()} CPU cores ({platform.machine()})"
+            + (f", {gpus} x {torch.cuda.get_device_name(0)}" if gpus else ", no GPU")
+            + f", torch {torch.__version__}{load}")
