@@ -112,12 +112,12 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 
 
 def main(args):
+    fsdp = fsdp_options(args)  # fully_shard's mixed precision and offload policies; None with --strategy ddp
     ddp_setup(args.timeout)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only the processes of this node share its cores
     workload = load_train_objs(args.workload)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
-    fsdp = fsdp_options(args)  # fully_shard's mixed precision and offload policies; None with --strategy ddp
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
                       args.save_every, args.snapshot_path, fsdp, args.verbose)
     trainer.train(args.total_epochs)

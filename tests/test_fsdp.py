@@ -134,7 +134,9 @@ def test_a_corrupt_snapshot_stops_every_rank_with_one_clear_line(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gives")
 def test_gpu_only_options_stop_with_one_clear_line_on_a_cpu(tmp_path):
-    proc = run([PYTHON, script("fsdp.py"), 2, 1, "--bf16"], cwd=tmp_path, timeout=60, check=False)
+    as_torchrun_starts_it = job_env({"LOCAL_RANK": "0", "RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1"})
+    proc = run([PYTHON, script("fsdp.py"), 2, 1, "--bf16"], cwd=tmp_path, env=as_torchrun_starts_it, timeout=60,
+               check=False)
     assert proc.returncode == 1
     assert proc.output.strip().startswith("error: --bf16 and --cpu_offload"), proc.output
     assert len(proc.output.strip().splitlines()) == 1, proc.output
