@@ -32,7 +32,8 @@ def show(title, commands, envs=None, timeout=300):
         shown = " ".join(f"{key}={value}" for key, value in extra.items())
         print("$", shown, " ".join(command).replace(PYTHON + " -m torch.distributed.run", "torchrun")
               .replace(PYTHON, "python").replace(str(REPO) + "/", ""), flush=True)
-        logs.append(RUN_DIR / f"{Path(command[-3]).stem}-{number}.log")
+        name = next(Path(part).stem for part in command if part.endswith(".py"))
+        logs.append(RUN_DIR / f"{name}-{number}.log")
         with open(logs[-1], "w") as log:  # a file, not a pipe: a full pipe would stall a process we are not reading
             procs.append(subprocess.Popen(command, cwd=RUN_DIR, env=dict(os.environ, **extra), stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True))
