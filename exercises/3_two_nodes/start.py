@@ -18,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import WORKLOADS, configure_cpu_threads, evaluate, make_workload, positive_int, require_torchrun
+from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
+                   require_torchrun)
 
 
 def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
@@ -116,6 +117,7 @@ def main(args):
     if trainer.rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
     dist.destroy_process_group()
+    exit_without_teardown()  # a gloo thread may still hold tensors: see utils
 
 
 if __name__ == "__main__":
