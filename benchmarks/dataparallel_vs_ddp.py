@@ -26,7 +26,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `utils` without installing anything
-from utils import WORKLOADS, configure_cpu_threads, free_port, make_workload, positive_int  # noqa: E402
+from utils import (WORKLOADS, configure_cpu_threads, exit_without_teardown, free_port, make_workload,  # noqa: E402
+                   positive_int)
 
 
 def batches(workload, batch_size, steps, rank=0, world_size=1):
@@ -79,8 +80,9 @@ def ddp_worker(rank, world_size, port, args, results):
     seconds = torch.tensor(timed_steps(model, workload, device, data, args.warmup), device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the job is as fast as its slowest process
     if rank == 0:
-        results.put(args.batch_size * (args.steps - args.warmup) / seconds.item())
+        results.put(args.batch_size * (args.steps - args.warmup) / seconds.item())  # a SimpleQueue: written at once
     dist.destroy_process_group()
+    exit_without_teardown()  # as the step scripts do: a gloo thread may still hold tensors at interpreter exit
 
 
 def run_ddp(args, world_size):

@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/scaling.py` from anywhere; the step scripts import too
 
-from utils.helpers import free_port, positive_int  # noqa: E402
+from utils.helpers import exit_without_teardown, free_port, positive_int  # noqa: E402
 from utils.metrics import machine_summary  # noqa: E402
 from utils.workload import WORKLOADS  # noqa: E402
 
@@ -103,6 +103,7 @@ def worker(rank, world_size, device_kind, args, result_path):
         best.update({f"{kind}_per_cpu_s": max(r) for kind, r in per_cpu_second.items()})
         Path(result_path).write_text(json.dumps(best))
     dist.destroy_process_group()
+    exit_without_teardown()  # as the step scripts do: a gloo thread may still hold tensors at interpreter exit
 
 
 @contextlib.contextmanager

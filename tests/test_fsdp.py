@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import TensorDataset
 
 from support import PYTHON, epoch_losses, job_env, kill_tree, run, script, start, torchrun, torchrun_workers
-from utils import evaluate, free_port, make_workload
+from utils import evaluate, exit_without_teardown, free_port, make_workload
 from utils.memory import memory_tables
 
 EPOCHS = 2
@@ -165,6 +165,7 @@ def evaluate_sharded(rank, port, dataset, result_file):
     if rank == 0:
         torch.save(dict(metrics), result_file)
     dist.destroy_process_group()
+    exit_without_teardown()  # as the step scripts do (utils.exit_without_teardown says why)
 
 
 def test_evaluate_runs_the_same_forward_passes_on_every_rank_and_scores_each_sample_once(tmp_path):
