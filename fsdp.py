@@ -5,20 +5,22 @@
 """
 import argparse
 import os
+import shutil
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
-                   fsdp_options, log_memory, log_rank_metrics, replace_directory, require_torchrun)
+                   log_memory, log_rank_metrics, require_torchrun)
 
 
 def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
@@ -36,7 +38,7 @@ class Trainer:
         self.model = model.to(device)
         for module in [*model.children(), model] if fsdp else []:  # each block, then the root: a block's full
             fully_shard(module, **fsdp)  # weights exist only while it runs; its parameters become 1/N shards
-        optimizer.__init__(model.parameters(), **optimizer.defaults)  # anew on FSDP's shards; the full tensors go
+        optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)  # a new one, on the sharded parameters
         self.train_data = train_data
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -44,7 +46,14 @@ class Trainer:
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path = snapshot_path
         self.verbose = verbose
-        self.epochs_run = self._load_snapshot() if os.path.exists(snapshot_path) else 0  # epochs already done
+        found = torch.tensor(os.path.exists(snapshot_path), device=device)  # DCP's load is a collective: if any
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)  # rank finds a snapshot, all load (one without one fails)
+        self.epochs_run = self._load_snapshot() if found else 0  # epochs already done
+        seen = torch.tensor([self.epochs_run, -self.epochs_run], device=device)  # every node reads its own disk:
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)  # do all ranks resume from the same epoch?
+        if seen[0] != -seen[1]:
+            raise SystemExit(f"error: ranks resume from different epochs ({-int(seen[1])} to {int(seen[0])}): put "
+                             "--snapshot_path on storage that every node shares")
         # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward()
         self.model = self.model if fsdp else DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -87,7 +96,11 @@ class Trainer:
     def _save_snapshot(self, epoch):
         snapshot = dict(zip(["MODEL_STATE", "OPTIMIZER_STATE"], get_state_dict(self.model, self.optimizer)),
                         EPOCHS_RUN=epoch + 1)  # all it takes to go on exactly (the data order is the sampler's)
-        dcp.save(snapshot, checkpoint_id=f"{self.snapshot_path}.tmp")  # a new directory: the last one stays whole
+        dcp.save(snapshot, checkpoint_id=f"{self.snapshot_path}.tmp")  # every rank writes its own shards there
+        if self.global_rank == 0:  # once all have: the last snapshot goes, the complete new one takes its place
+            shutil.rmtree(self.snapshot_path, ignore_errors=True)  # (os.replace refuses a directory that is not empty)
+            os.replace(f"{self.snapshot_path}.tmp", self.snapshot_path)  # a crash before this: the .tmp is never read
+            print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
         log_memory("start", self.model, self.optimizer, self.device, self.verbose)  # every rank's, in one table
@@ -95,10 +108,8 @@ class Trainer:
             self._run_epoch(epoch)
             log_memory(f"after epoch {epoch}", self.model, self.optimizer, self.device, self.verbose)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                self._save_snapshot(epoch)  # every rank writes its own shards, so every rank takes part
-                if self.global_rank == 0:  # one writer in the whole job, not one per node
-                    replace_directory(f"{self.snapshot_path}.tmp", self.snapshot_path)  # a crash before: never read
-                    print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
+                self._save_snapshot(epoch)  # a sharded snapshot: every rank writes its part
+                dist.barrier()  # no rank runs ahead of a snapshot that is not on disk yet
         log_memory("end", self.model, self.optimizer, self.device, self.verbose)
 
 
@@ -112,17 +123,20 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 
 
 def main(args):
-    fsdp = fsdp_options(args)  # fully_shard's mixed precision and offload policies; None with --strategy ddp
+    if (args.bf16 or args.cpu_offload) and not (args.strategy == "fsdp" and torch.cuda.is_available()):
+        raise SystemExit("error: --bf16 and --cpu_offload are options of --strategy fsdp on CUDA GPUs")
+    fsdp = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None),  # compute dtype
+                offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy())  # where shards live
     ddp_setup(args.timeout)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only the processes of this node share its cores
     workload = load_train_objs(args.workload)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
-                      args.save_every, args.snapshot_path, fsdp, args.verbose)
+                      args.save_every, args.snapshot_path, fsdp if args.strategy == "fsdp" else None, args.verbose)
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
-    full_model = get_state_dict(trainer.model, [], options=StateDictOptions(full_state_dict=True, cpu_offload=True))[0]
+    full_model = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.global_rank == 0:
         torch.save(full_model, "model_full.pt")  # the shards gathered into one plain state_dict: no torch.distributed
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")

@@ -1,15 +1,32 @@
-"""What every step shares and none of them teaches: the workload, evaluation and a few small helpers.
+"""What every step shares and none of them teaches: the workloads, evaluation and a few small helpers.
 
-The step scripts keep the distributed concepts (process group, sampler, DDP wrap, snapshots, ranks)
+The step scripts keep the distributed concepts (process group, sampler, DDP wrap, snapshots, ranks, sharding)
 in plain sight; only the parts that are the same in every step live here.
 """
-from utils.helpers import (configure_cpu_threads, exit_without_teardown, free_port, fsdp_options, positive_int,
-                           replace_directory, require_a_gpu_each, require_torchrun)
+from utils import synthetic, vision
+from utils.helpers import (configure_cpu_threads, exit_without_teardown, free_port, positive_int, require_a_gpu_each,
+                           require_torchrun)
 from utils.memory import log_memory
 from utils.metrics import log_rank_metrics
-from utils.workload import WORKLOADS, Workload, evaluate, make_workload
-import utils.wide_mlp  # noqa: E402,F401  (adds the "wide" workload to WORKLOADS)
+from utils.workload import SEED, evaluate
 
-__all__ = ["WORKLOADS", "Workload", "configure_cpu_threads", "evaluate", "exit_without_teardown", "free_port",
-           "fsdp_options", "log_memory", "log_rank_metrics", "make_workload", "positive_int", "replace_directory",
-           "require_a_gpu_each", "require_torchrun"]
+# What `--workload NAME` trains in every step: NAME -> builder(seed) -> Workload (utils/workload.py). A new workload
+# is a builder added here; no step script changes.
+WORKLOADS = {
+    "synthetic": synthetic.synthetic,  # a small MLP learns a random teacher network: the default
+    "wide": synthetic.wide,  # the same data on a ~1M-parameter residual MLP: large enough for FSDP to show
+    "mnist": vision.mnist,  # small CNN; data in $TUTORIAL_DATA_DIR (default ./data), downloaded when online
+    "cifar10": vision.cifar10,  # resnet18 from scratch
+    "fakedata": vision.fakedata,  # random images, no files: offline benchmarks
+}
+
+
+def make_workload(name="synthetic", seed=SEED):
+    """Build the named workload. Same name and seed: the same data and initial weights, in any process."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    return WORKLOADS[name](seed)
+
+
+__all__ = ["WORKLOADS", "configure_cpu_threads", "evaluate", "exit_without_teardown", "free_port", "log_memory",
+           "log_rank_metrics", "make_workload", "positive_int", "require_a_gpu_each", "require_torchrun"]

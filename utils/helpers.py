@@ -1,7 +1,6 @@
-"""Small helpers used by every step: argument checks, CPU threads, a free port, swapping a directory in."""
+"""Small helpers used by every step: argument checks, CPU threads, a free port, a clean exit."""
 import argparse
 import os
-import shutil
 import socket
 import sys
 
@@ -53,21 +52,6 @@ def require_torchrun(example="torchrun --standalone --nproc_per_node=2"):
     require_a_gpu_each(int(os.environ["LOCAL_WORLD_SIZE"]), "--nproc_per_node=gpu")
 
 
-def fsdp_options(args):
-    """fsdp.py's keyword arguments for fully_shard, from its command line; None for --strategy ddp.
-
-    --bf16 computes in bfloat16 (mixed precision: the shards stay float32), --cpu_offload keeps the shards in CPU
-    memory between uses. Both are for FSDP on CUDA GPUs: elsewhere they stop the job with one clear line.
-    """
-    if (args.bf16 or args.cpu_offload) and not (args.strategy == "fsdp" and torch.cuda.is_available()):
-        raise SystemExit("error: --bf16 and --cpu_offload are options of --strategy fsdp on CUDA GPUs")
-    if args.strategy != "fsdp":
-        return None
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-    return dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None),
-                offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy())
-
-
 def require_a_gpu_each(processes, hint):
     """`processes`, after checking this machine has a GPU for each (DDP and FSDP run one process per GPU; two on one
     GPU would fight over it): else one clear line and exit 1, where the official tutorial silently exits 0.
@@ -91,12 +75,3 @@ def exit_without_teardown():
     sys.stderr.flush()
     os._exit(0)
 
-
-def replace_directory(source, target):
-    """Put the finished directory `source` where `target` is (a new sharded snapshot in place of the last one).
-
-    os.replace swaps files atomically but refuses a non-empty target directory, so the old one goes first: a crash
-    in between leaves no `target` and `source` whole, never a half-written `target` that would be taken as good.
-    """
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(source, target)

@@ -7,7 +7,6 @@ Two kinds of numbers per rank:
   Under FSDP a parameter is a DTensor whose local part is this rank's shard, so these shrink to ~1/world_size.
 """
 import os
-import re
 import resource
 import socket
 
@@ -17,7 +16,6 @@ import torch.distributed as dist
 MiB = 2**20
 COLUMNS = ["rank", "local", "host", "device", "now MiB", "peak MiB", "params MiB", "grads MiB", "optim MiB",
            "state MiB"]
-ROW = re.compile(r"^ +(\d+) +(\d+) +(\S+) +(\S+)" + r" +([\d.]+|n/a)" * 6 + r"$", re.M)
 
 
 def local_bytes(tensor):
@@ -75,16 +73,3 @@ def log_memory(stage, model, optimizer, device, verbose=True):
     if dist.get_rank() == 0:
         print(format_table(stage, rows), flush=True)
 
-
-def memory_tables(output):
-    """{stage: [row, ...]} parsed back from printed tables; each row a dict with the COLUMNS as keys (MiB floats)."""
-    tables = {}
-    for block in re.split(r"^memory ", output, flags=re.M)[1:]:
-        stage = block.split(" (state:", 1)[0]
-        rows = []
-        for match in ROW.finditer(block):
-            values = list(match.groups())
-            rows.append(dict(zip(COLUMNS, [int(values[0]), int(values[1]), values[2], values[3]] +
-                                 [None if v == "n/a" else float(v) for v in values[4:]])))
-        tables[stage] = rows
-    return tables

@@ -41,28 +41,3 @@ def log_rank_metrics(epoch, steps_per_epoch, totals, start):
     with open(rank_file(directory, rank), "a") as out:
         out.write(json.dumps(record) + "\n")
 
-
-def read_run(directory):
-    """{rank: [record, ...]} from a run directory, each rank's records in the order written."""
-    runs = {}
-    for name in sorted(os.listdir(directory)):
-        if name.startswith("rank") and name.endswith(".jsonl"):
-            with open(os.path.join(directory, name)) as lines:
-                records = [json.loads(line) for line in lines if line.strip()]
-            if records:
-                runs[records[0]["rank"]] = records
-    return dict(sorted(runs.items()))
-
-
-
-def machine_summary():
-    """One line for a benchmark's header: what ran it, and how busy the machine was (other work skews timings)."""
-    import platform
-
-    import torch
-
-    gpus = torch.cuda.device_count()
-    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-    return (f"{os.cpu_count()} CPU cores ({platform.machine()})"
-            + (f", {gpus} x {torch.cuda.get_device_name(0)}" if gpus else ", no GPU")
-            + f", torch {torch.__version__}{load}")

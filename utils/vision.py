@@ -6,12 +6,19 @@ per-image Python work and evaluate() can index it directly. The data lives under
 (default ./data); MNIST and CIFAR-10 are downloaded there on first use when this machine is online.
 torchvision is imported inside the builders: it takes seconds, and the synthetic workload never needs it.
 """
+import contextlib
 import os
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
+
+from utils.workload import Workload
+
+try:
+    import fcntl  # file locks: Linux and macOS
+except ImportError:  # Windows: every process downloads for itself
+    fcntl = None
 
 DATA_DIR_VARIABLE = "TUTORIAL_DATA_DIR"
 FAKEDATA_SIZES = (2048, 499)  # train, held-out: 499 is prime, so no world size divides it evenly
@@ -31,8 +38,6 @@ def small_cnn(in_channels, num_classes):
 
 
 def _classification(train_set, eval_set, model, lr):
-    from utils.workload import Workload  # here, not at the top: utils.workload imports this module
-
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     return Workload(train_set, eval_set, model, optimizer, nn.CrossEntropyLoss(), classification=True)
 
@@ -46,52 +51,36 @@ def _as_tensors(images, labels, mean, std):
     return TensorDataset(images, torch.as_tensor(labels, dtype=torch.long))
 
 
-def _is_download_leader():
-    """One process per machine downloads (they may share a disk); the others wait for it."""
-    if not dist.is_initialized():
-        return True
-    return int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+@contextlib.contextmanager
+def _one_at_a_time(root, name):
+    """Held by one process of this machine at a time: the first downloads, the others wait and then find the files.
 
-
-def _any_rank(flag):
-    """True on every rank if `flag` is True on any rank (a no-op without a process group)."""
-    if not dist.is_initialized():
-        return flag
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    A file lock, not a collective: building a workload never talks to the other ranks, so a rank that stops here
+    stops alone, with its own one-line message, and the others' first collective fails within --timeout.
+    """
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, f".{name}.lock"), "w") as lock:
+        if fcntl:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def load_splits(dataset_class, files_hint):
-    """(train, test) splits of a torchvision dataset, downloaded first when missing and this machine is online.
-
-    The few tiny all-reduces keep the ranks in step: if the files are missing anywhere, one process per machine
-    downloads while the others wait, and if that fails anywhere, every rank stops with the same one-line message
-    instead of some of them waiting forever.
-    """
+    """(train, test) splits of a torchvision dataset, downloaded first when missing and this machine is online."""
     root, name = data_dir(), dataset_class.__name__
-    try:
-        splits = tuple(dataset_class(root, train=train) for train in (True, False))
-    except RuntimeError:  # "Dataset not found": fetch it below
-        splits = None
-    if not _any_rank(splits is None):
-        return splits
-    problem = None
-    if _is_download_leader():
+    with _one_at_a_time(root, name):
         try:
-            for train in (True, False):
-                dataset_class(root, train=train, download=True)
+            return tuple(dataset_class(root, train=train) for train in (True, False))
+        except RuntimeError:  # "Dataset not found": fetch it
+            pass
+        try:
+            return tuple(dataset_class(root, train=train, download=True) for train in (True, False))
         except Exception as error:  # no network (URLError), a partial or corrupt file (RuntimeError)...
             problem = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-    if _any_rank(problem is not None):
-        if dist.is_initialized():
-            dist.destroy_process_group()  # every rank stops here together: leave the group cleanly
-        raise SystemExit(f"error: {name} is not in {os.path.abspath(root)} and the download failed "
-                         f"({problem or 'on another machine'}; offline?): on a machine that is online run "
-                         f"`python -c \"import torchvision; torchvision.datasets.{name}('data', download=True)\"`"
-                         f", copy its data/ ({files_hint}) here, or set {DATA_DIR_VARIABLE} to where it is")
-    return tuple(dataset_class(root, train=train) for train in (True, False))
+    raise SystemExit(f"error: {name} is not in {os.path.abspath(root)} and the download failed ({problem}; "
+                     f"offline?): on a machine that is online run `python -c \"import torchvision; "
+                     f"torchvision.datasets.{name}('data', download=True)\"`, copy its data/ ({files_hint}) here, or "
+                     f"set {DATA_DIR_VARIABLE} to where it is")
 
 
 def mnist(seed):

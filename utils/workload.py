@@ -1,17 +1,11 @@
-"""The workload every step trains: dataset, held-out split, model, optimizer and loss, from one call.
-
-`make_workload(name)` is the only thing a step script asks for, so new workloads can be added here
-(in WORKLOADS) without touching the step scripts or their diffs.
-"""
+"""What a step trains: the `Workload` every builder returns, and the held-out evaluation every step ends with."""
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
-
-from utils import vision
+from torch.utils.data import Dataset
 
 SEED = 0
 
@@ -24,43 +18,6 @@ class Workload:
     optimizer: torch.optim.Optimizer
     loss_fn: Callable
     classification: bool = False  # evaluate() also reports accuracy when True
-
-
-def make_workload(name="synthetic", seed=SEED):
-    """Build the named workload. Same name and seed: the same data and initial weights, in any process."""
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
-    return WORKLOADS[name](seed)
-
-
-def synthetic_regression(seed, n_train=2048, n_eval=512, n_features=20, noise=0.1):
-    """Targets from a fixed random 'teacher' network plus noise: learnable, and the best loss is known.
-
-    The teacher's output is scaled to unit variance, so an untrained model starts near loss 1.0 and a
-    model that learned the teacher approaches noise**2 = 0.01. Built in milliseconds from `seed` alone,
-    so every rank builds exactly the same tensors without sharing any file.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(n_train + n_eval, n_features, generator=gen)
-    w1 = torch.randn(n_features, 32, generator=gen) / n_features**0.5
-    w2 = torch.randn(32, 1, generator=gen)
-    clean = torch.tanh(inputs @ w1) @ w2
-    targets = clean / clean.std() + noise * torch.randn(n_train + n_eval, 1, generator=gen)
-    train_set = TensorDataset(inputs[:n_train], targets[:n_train])
-    eval_set = TensorDataset(inputs[n_train:], targets[n_train:])
-
-    torch.manual_seed(seed)  # same initial weights in every process (DDP would broadcast rank 0's anyway)
-    model = nn.Sequential(nn.Linear(n_features, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    return Workload(train_set, eval_set, model, optimizer, nn.MSELoss())
-
-
-WORKLOADS = {
-    "synthetic": synthetic_regression,
-    "mnist": vision.mnist,  # small CNN; data in $TUTORIAL_DATA_DIR (default ./data), downloaded when online
-    "cifar10": vision.cifar10,  # resnet18 from scratch
-    "fakedata": vision.fakedata,  # random images, no files: offline benchmarks
-}
 
 
 class Metrics(dict):
