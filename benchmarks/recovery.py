@@ -10,26 +10,19 @@ workers resume from the last snapshot. Times come from the moment each line appe
 training step of an epoch is dated by subtracting that epoch's duration (its samples / samples per second).
 """
 import argparse
-import os
-import re
-import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.launch import LogFollower, job_env, kill_tree, start, torchrun, torchrun_workers  # noqa: E402
+from tools.jobs import FRESH_STORE, machine_summary, output, start, torchrun  # noqa: E402
 from utils import positive_int  # noqa: E402
 
 TRAIN_SAMPLES = 2048  # the synthetic workload's training set: what one epoch reports samples per second over
-EPOCH_LINE = r"\] epoch (\d+) \| steps \d+ \| loss [\d.]+ \| ([\d,]+) samples/s"
-# Restarted workers need a rendezvous store of their own (see README, fault tolerance).
-ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def epoch_seconds(match):
-    return TRAIN_SAMPLES / float(match[2].replace(",", ""))
+    return TRAIN_SAMPLES / float(match["rate"].replace(",", ""))
 
 
 def main():
@@ -44,42 +37,37 @@ def main():
         parser.error("--kill_after must come after the first snapshot and leave epochs to train after the kill")
 
     with tempfile.TemporaryDirectory(prefix="recovery-") as workdir:
-        log_path = Path(workdir) / "job.log"
         command = torchrun("multigpu_torchrun.py", args.epochs, args.save_every, nproc=args.nproc,
                            launcher_args=["--max_restarts=1"])
-        launched = time.monotonic()
-        job = start(command, cwd=workdir, env=job_env(ENV), log=log_path)
-        log = LogFollower(log_path, job)
-        try:
-            first = log.wait_for(EPOCH_LINE, timeout=args.timeout)
-            cold_line = time.monotonic() - launched
+        # restarted workers need a rendezvous store of their own (README, fault tolerance)
+        with start(command, cwd=workdir, env=FRESH_STORE) as job:
+            first = job.wait_for(output.EPOCH, timeout=args.timeout)
+            cold_line = job.seconds()
             cold_step = cold_line - epoch_seconds(first)
-            snapshot_at = None
-            while True:  # follow rank 0 up to the kill point, noting when the last snapshot was written
-                line = log.wait_for(rf"{EPOCH_LINE}|\] epoch (\d+) \| snapshot saved", timeout=args.timeout)
-                if line[3] is not None:
-                    snapshot_at, snapshot_epoch = time.monotonic(), int(line[3])
-                elif int(line[1]) >= args.kill_after:
-                    break
-            victim = torchrun_workers(job.pid, args.nproc, restart=0)[1 % args.nproc]
-            os.kill(victim, signal.SIGKILL)
-            killed = time.monotonic()
-            resumed = log.wait_for(r"\[rank 0/.*resuming from epoch (\d+), restart 1", timeout=args.timeout)
-            to_resume = time.monotonic() - killed
-            first_after = log.wait_for(EPOCH_LINE, timeout=args.timeout)
-            to_line = time.monotonic() - killed
+            while int(job.wait_for(output.EPOCH, timeout=args.timeout)["epoch"]) < args.kill_after:
+                pass  # follow rank 0 up to the kill point
+            victim = job.kill_worker(rank=1 % args.nproc)
+            killed = job.seconds()
+            resumed = job.wait_for(output.RESUMED, timeout=args.timeout)
+            to_resume = job.seconds() - killed
+            first_after = job.wait_for(output.EPOCH, timeout=args.timeout)
+            to_line = job.seconds() - killed
             to_step = to_line - epoch_seconds(first_after)
-            code = job.wait(timeout=args.timeout)
-        finally:
-            if job.poll() is None:
-                kill_tree(job)
-        output = log_path.read_text()
+            [code] = job.wait(timeout=args.timeout)
+        text = job.output
     if code != 0:
-        sys.exit(f"error: the job exited {code}; its output ends:\n{output[-3000:]}")
+        sys.exit(f"error: the job {'ran past --timeout' if code is None else f'exited {code}'}; its output ends:\n"
+                 f"{text[-3000:]}")
 
-    epochs_before_kill = max(int(epoch) for epoch, _ in re.findall(EPOCH_LINE, output[:output.index(resumed[0])]))
-    resumed_from = int(resumed[1])
+    before_kill = [(seconds, line) for seconds, _, line in job.timeline if seconds <= killed]
+    epochs_before_kill = max(int(match["epoch"]) for _, line in before_kill for match in [output.EPOCH.search(line)]
+                             if match)
+    resumed_from = int(resumed["epoch"])
+    snapshot_epoch = resumed_from - 1  # the snapshot the job resumed from: written after this epoch
+    snapshot_at = next(seconds for seconds, _, line in job.timeline for match in [output.SAVED.search(line)]
+                       if match and int(match["epoch"]) == snapshot_epoch)
     redone = epochs_before_kill + 1 - resumed_from
+    print(machine_summary())
     print(f"torchrun --standalone --nproc_per_node={args.nproc} --max_restarts=1 multigpu_torchrun.py "
           f"{args.epochs} {args.save_every}: rank 1 (pid {victim}) SIGKILLed after epoch {args.kill_after}")
     print(f"cold start   launch -> first training step         {cold_step:6.2f} s   (-> first epoch line "
@@ -88,9 +76,10 @@ def main():
     print(f"             kill -> first resumed training step   {to_step:6.2f} s   (-> first epoch line "
           f"{to_line:.2f} s)")
     print(f"ratio        recovery / cold start                  {to_step / cold_step:6.2f}")
-    print(f"work lost    {redone} finished epoch(s) since the snapshot of epoch {snapshot_epoch} "
-          f"(epochs {resumed_from}-{epochs_before_kill}) plus the one in progress, trained again:")
-    print(f"             {killed - snapshot_at:.2f} s of training between that snapshot and the kill")
+    print(f"work lost    {redone} finished epoch(s) since the snapshot of epoch {snapshot_epoch}"
+          + (f" (epochs {resumed_from}-{epochs_before_kill})" if redone else "")
+          + " plus the one in progress, trained again:")
+    print(f"             {max(0.0, killed - snapshot_at):.2f} s of training between that snapshot and the kill")
 
 
 if __name__ == "__main__":

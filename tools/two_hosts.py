@@ -10,37 +10,27 @@ NCCL_SOCKET_IFNAME (otherwise the backend binds to whatever the hostname resolve
 Both nodes run in one folder, which plays the shared file system that holds the snapshot. Needs root.
 """
 import argparse
-import contextlib
-import os
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository
-from tools.launch import REPO, TORCHRUN  # noqa: E402
+from tools.jobs import TORCHRUN, script, start  # noqa: E402
 from tools.netns import namespaces_unavailable, network_namespaces  # noqa: E402
 
 PORT = 29500
 
 
-def node_command(host, head, *script_args, nnodes=2, set_ifname=True, launcher_args=(), script="multinode.py"):
+def node_command(host, head, *script_args, nnodes=2, set_ifname=True, launcher_args=(), step="multinode.py"):
     """One node's command line: torchrun inside `host`'s namespace, meeting at `head`'s c10d rendezvous store."""
     env = [f"GLOO_SOCKET_IFNAME={host.ifname}", f"NCCL_SOCKET_IFNAME={host.ifname}"] if set_ifname else []
     hosting = ["--rdzv_conf", "is_host=1"] if host is head else []  # its hostname does not resolve to head.ip
     return host.cmd("env", *env, *TORCHRUN, f"--nnodes={nnodes}",
                     "--nproc_per_node=1", "--rdzv_id=two-hosts", "--rdzv_backend=c10d",
                     f"--rdzv_endpoint={head.ip}:{PORT}", f"--local_addr={host.ip}", *hosting, *launcher_args,
-                    str(REPO / script), *map(str, script_args))
-
-
-def _relay(stream, label):
-    for line in stream:
-        print(f"{label} {line}", end="", flush=True)
+                    script(step), *map(str, script_args))
 
 
 def main():
@@ -57,28 +47,14 @@ def main():
         sys.exit(f"error: {reason}")
     with tempfile.TemporaryDirectory(prefix="two-hosts-") as shared, \
             network_namespaces(2, echo=lambda line: print(f"$ {line}", flush=True)) as (_, hosts):
-        head = hosts[0]
-        nodes = []
-        for host in hosts:
-            cmd = node_command(host, head, args.total_epochs, args.save_every, "--timeout", args.timeout,
-                               set_ifname=not args.no_ifname)
-            print(f"$ cd {shared} && {shlex.join(cmd)} &", flush=True)
-            proc = subprocess.Popen(cmd, cwd=shared, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
-                                    start_new_session=True)
-            threading.Thread(target=_relay, args=(proc.stdout, f"[{host.name} {host.ip}]"), daemon=True).start()
-            nodes.append(proc)
-        deadline, codes = time.monotonic() + args.limit, []
-        for proc in nodes:
-            try:
-                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(f"still running after {args.limit} s: stopped")
-        for proc in nodes:  # each node's whole process tree, whatever state it is in
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    print(f"exit codes: {codes}")
+        commands = [node_command(host, hosts[0], args.total_epochs, args.save_every, "--timeout", args.timeout,
+                                 set_ifname=not args.no_ifname) for host in hosts]
+        for command in commands:
+            print(f"$ cd {shared} && {shlex.join(command)} &", flush=True)
+        with start(*commands, cwd=shared) as job:  # the one folder plays the shared file system
+            codes = job.wait(args.limit, echo=lambda line, node: print(f"[{hosts[node].name} {hosts[node].ip}] "
+                                                                       f"{line}", flush=True))
+    print(f"exit codes: {[f'still running after {args.limit} s: stopped' if code is None else code for code in codes]}")
     sys.exit(0 if codes == [0, 0] else 1)
 
 

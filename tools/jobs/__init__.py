@@ -1,0 +1,325 @@
+"""Running a job of the step scripts: start it, bound it, follow what it prints, kill a worker or a node, and read
+what it did. The tests, the exercise checker, the notebooks, the demo and the benchmarks all run jobs this way.
+
+    job = start(torchrun("multigpu_torchrun.py", 9, 3), cwd=tmp_path, record=True)
+    job.wait_for(output.SAVED)       # the next line that matches; fails naming why if the job ends first
+    job.kill_worker(rank=1)          # SIGKILL from outside, as the kernel's OOM killer would
+    job.wait(timeout=120)            # exit codes; whatever still runs at the deadline is killed (code None)
+    job.output, job.losses, job.samples, job.writes
+
+A job is one command per node ("node": one launcher, e.g. one torchrun), each started in a session of its own, so
+its whole process tree can be stopped, with its output in a log file (a file, not a pipe: nobody has to keep reading
+for the job to go on). `run()` starts a job and waits for it.
+
+The environment: the CPU (gloo) unless gpu=True, one compute thread per process, unbuffered output, and the
+repository on PYTHONPATH (a learner's script elsewhere still imports `utils`). With record=True the job's processes
+load recorder/sitecustomize.py, which records each torch.save and the samples each rank trains on, epoch by epoch;
+kill_at and skip_all_reduce inject faults through it (its docstring says how).
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tools.jobs import output
+from tools.jobs.processes import kill_tree, torchrun_workers
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]  # the `torchrun` command, from this interpreter
+RECORDER = Path(__file__).resolve().parent / "recorder"
+# With torch >= 2.5 the workers of a torchrun that restarts them meet again in the rendezvous store the killed ones
+# used, whose stale addresses can stall the new process group (pytorch#135712); this gives each attempt its own.
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def script(name):
+    """A file of the repository, by its path from the repository's root."""
+    return str(REPO / name)
+
+
+def python(name, *args):
+    """`python name args...` as a command list."""
+    return [PYTHON, script(name), *map(str, args)]
+
+
+def torchrun(name, *args, nproc=2, launcher_args=()):
+    """`torchrun --standalone --nproc_per_node=N name args...` as a command list."""
+    return [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *launcher_args, script(name), *map(str, args)]
+
+
+def torchrun_node(name, *args, nnodes=2, nproc=1, endpoint, run_id="job", launcher_args=()):
+    """One node's torchrun of a multi-node job, meeting the others at a c10d rendezvous at `endpoint` (host:port)."""
+    return [*TORCHRUN, f"--nnodes={nnodes}", f"--nproc_per_node={nproc}", f"--rdzv_id={run_id}",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", *launcher_args, script(name), *map(str, args)]
+
+
+def shown(command):
+    """A command as a learner types it: `python`, `torchrun` and the repository's files by their own names."""
+    text = " ".join(map(str, command)).replace(" ".join(TORCHRUN), "torchrun").replace(PYTHON, "python")
+    return text.replace(str(REPO) + os.sep, "")
+
+
+def machine_summary():
+    """One line: what runs the jobs here, and how busy the machine is (other work skews every timing)."""
+    import platform
+
+    import torch
+
+    gpus = torch.cuda.device_count()
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return (f"{os.cpu_count()} CPU cores ({platform.machine()})"
+            + (f", {gpus} x {torch.cuda.get_device_name(0)} (NCCL)" if gpus else ", no GPU (gloo)")
+            + f", torch {torch.__version__}{load}")
+
+
+def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_reduce=None):
+    """The environment of a job's processes (see the module's docstring); `extra` last (a value None removes a
+    variable; a PYTHONPATH in it goes before the repository's)."""
+    extra = dict(extra or {})
+    env = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # CPU jobs stay CPU jobs on a machine with GPUs
+    paths = [str(RECORDER)] if record_dir or kill_at or skip_all_reduce else []
+    paths += [str(extra.pop("PYTHONPATH", "")), str(REPO), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    if record_dir:
+        env["JOB_RECORD_DIR"] = str(record_dir)
+    if kill_at:
+        env["JOB_KILL_AT"] = ":".join(map(str, kill_at))
+    if skip_all_reduce:
+        env["JOB_SKIP_ALL_REDUCE"] = ":".join(map(str, skip_all_reduce))
+    for name, value in extra.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = str(value)
+    return env
+
+
+class Job:
+    """A running (then finished) job: one command per node. See the module's docstring; start() makes one.
+
+    cwd: the folder each node runs in (one for all, or a list); logs: where the logs and records go (default: the
+    first node's folder); env: extra variables for every node, node_env: a dict per node on top of them.
+    """
+
+    def __init__(self, *commands, cwd, env=None, node_env=None, gpu=False, record=False, kill_at=None,
+                 skip_all_reduce=None, logs=None):
+        cwds = list(cwd) if isinstance(cwd, (list, tuple)) else [cwd] * len(commands)
+        self.commands = [[str(part) for part in command] for command in commands]
+        self.logs_dir = Path(logs or cwds[0])
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self.recorded = record
+        env = environment(env, gpu, self.logs_dir if record else None, kill_at, skip_all_reduce)
+        self.logs = [self.logs_dir / f"node{node}.log" for node in range(len(commands))]
+        self.began, self.timeline, self.codes = time.monotonic(), [], None
+        self._offsets, self._queue = [0] * len(commands), []
+        self.procs = []
+        for node, (command, folder, log) in enumerate(zip(self.commands, cwds, self.logs)):
+            with open(log, "w") as out:
+                self.procs.append(subprocess.Popen(
+                    command, cwd=folder, env=dict(env, **(node_env[node] if node_env else {})), stdout=out,
+                    stderr=subprocess.STDOUT, start_new_session=True))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.stop()
+
+    # --- following it -------------------------------------------------------------------------------------------
+
+    def seconds(self):
+        """Seconds since the job started."""
+        return time.monotonic() - self.began
+
+    def note(self, text):
+        """Add an event of one's own (a kill, say) to the timeline, at this moment."""
+        self.timeline.append((self.seconds(), None, text))
+
+    def _read(self):
+        """Queue the complete lines written since the last read, each with the second it was read (a line still
+        being written waits for the next read)."""
+        for node, log in enumerate(self.logs):
+            with open(log, "rb") as file:
+                file.seek(self._offsets[node])
+                data = file.read()
+            complete = data[:data.rfind(b"\n") + 1]
+            self._offsets[node] += len(complete)
+            self._queue += [(self.seconds(), node, raw.decode(errors="replace")) for raw in complete.splitlines()]
+
+    def _consume(self, echo=None):
+        """The oldest queued line as (node, line), now on the timeline and echoed (echo(line, node)); or None."""
+        if not self._queue:
+            return None
+        seconds, node, line = self._queue.pop(0)
+        self.timeline.append((seconds, node, line))
+        if echo:
+            echo(line, node)
+        return node, line
+
+    def new_lines(self, echo=None):
+        """Every line written since the last read, as (node, line)."""
+        self._read()
+        return list(iter(lambda: self._consume(echo), None))
+
+    def wait_for(self, *patterns, timeout=60, echo=None):
+        """The match of the next line that matches one of `patterns` (strings or compiled regexes; `match.re` tells
+        which): the lines up to it are consumed, those after it are not. Fails naming what happened if the job ends
+        or `timeout` s pass first."""
+        patterns = [re.compile(pattern) if isinstance(pattern, str) else pattern for pattern in patterns]
+        deadline = time.monotonic() + timeout
+        while True:
+            ended = not self.running()  # before reading: the last lines of a job that just ended count
+            self._read()
+            for _, line in iter(lambda: self._consume(echo), None):
+                for pattern in patterns:
+                    match = pattern.search(line)
+                    if match:
+                        return match
+            if ended or time.monotonic() > deadline:
+                why = f"ended with exit codes {self.poll()}" if ended else f"ran {timeout} s"
+                wanted = " or ".join(repr(pattern.pattern) for pattern in patterns)
+                raise AssertionError(f"the job {why} before printing a line matching {wanted}; its output ends:\n"
+                                     f"{self.output[-3000:]}")
+            time.sleep(0.01)
+
+    # --- its processes ------------------------------------------------------------------------------------------
+
+    def poll(self):
+        """Each node's exit code, None for one still running."""
+        return [proc.poll() for proc in self.procs]
+
+    def running(self):
+        """True while any node runs."""
+        return None in self.poll()
+
+    def workers(self, node=0, restart=0, nproc=None, timeout=60):
+        """{global rank: pid} of the workers node `node`'s torchrun started for attempt `restart`."""
+        if nproc is None:
+            nproc = int(next(part.split("=")[1] for part in self.commands[node]
+                             if part.startswith("--nproc_per_node=")))
+        return torchrun_workers(self.procs[node].pid, nproc, restart, timeout)
+
+    def kill_worker(self, rank, restart=0, node=0, nproc=None, sig=signal.SIGKILL):
+        """Send `sig` (SIGKILL: no handler, no cleanup) to the worker of `rank` in attempt `restart`; its pid."""
+        pid = self.workers(node, restart, nproc)[rank]
+        os.kill(pid, sig)
+        self.note(f"{signal.Signals(sig).name} to rank {rank} (pid {pid})")
+        return pid
+
+    def kill_node(self, node, sig=signal.SIGKILL):
+        """Node `node`'s launcher and everything it started, at once: the machine is gone."""
+        kill_tree(self.procs[node].pid, sig)
+        self.note(f"{signal.Signals(sig).name} to node {node}")
+
+    def wait(self, timeout, echo=None):
+        """Wait for every node (one deadline for all), following the output; whatever still runs at the deadline is
+        killed with its whole tree. Returns the exit codes, None for a node stopped at the deadline."""
+        deadline = time.monotonic() + timeout
+        while self.running() and time.monotonic() < deadline:
+            self.new_lines(echo)
+            time.sleep(0.02)
+        self.codes = self.poll()
+        self.new_lines(echo)
+        self.stop()
+        return self.codes
+
+    def stop(self):
+        """Kill whatever is left of every node (idempotent)."""
+        for proc in self.procs:
+            kill_tree(proc.pid)
+            proc.wait(timeout=30)
+        if self.codes is None:
+            self.codes = self.poll()
+
+    @property
+    def timed_out(self):
+        return self.codes is not None and None in self.codes
+
+    @property
+    def ok(self):
+        return self.codes is not None and all(code == 0 for code in self.codes)
+
+    @property
+    def returncode(self):
+        """The exit code of a one-node job (None: stopped at the deadline)."""
+        assert len(self.procs) == 1, "a job of several nodes has .codes"
+        return self.codes[0] if self.codes is not None else self.procs[0].poll()
+
+    # --- what it printed and did ---------------------------------------------------------------------------------
+
+    def node_output(self, node):
+        return self.logs[node].read_text(errors="replace")
+
+    @property
+    def output(self):
+        """Everything every node printed, node after node."""
+        return "".join(self.node_output(node) for node in range(len(self.logs)))
+
+    @property
+    def losses(self):
+        return output.epoch_losses(self.output)
+
+    @property
+    def resumes(self):
+        return output.resumes(self.output)
+
+    @property
+    def errors(self):
+        return output.errors(self.output)
+
+    @property
+    def writes(self):
+        return recorded_writes(self.logs_dir)
+
+    @property
+    def samples(self):
+        return recorded_samples(self.logs_dir)
+
+    def writers(self):
+        """(ranks that wrote files, the files' names): a .tmp file counts under the name it was renamed to."""
+        ranks = sorted({rank for _, rank, _ in self.writes}, key=str)
+        files = sorted({Path(path).name.removesuffix(".tmp") for _, _, path in self.writes})
+        return ranks, files
+
+    def describe(self):
+        return "; ".join(f"node {node}: `{shown(command)}` exited {code}"
+                         for node, (command, code) in enumerate(zip(self.commands, self.codes or self.poll())))
+
+
+def recorded_writes(folder):
+    """[(pid, rank or None, absolute path), ...]: every torch.save of a recorded job, in order."""
+    path = Path(folder) / "writes.tsv"
+    rows = [line.split("\t") for line in path.read_text().splitlines()] if path.exists() else []
+    return [(int(pid), None if rank == "-" else int(rank), file) for pid, rank, file in rows]
+
+
+def recorded_samples(folder):
+    """One dict per completed pass over a DataLoader of a recorded job, in the order they ended: pid, rank, restart,
+    sampler (class name), epoch (its set_epoch value, or None), number (the pass's number in its process), ddp (the
+    model was wrapped in DDP), indices (the samples, in training order)."""
+    path = Path(folder) / "samples.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def start(*commands, **options):
+    """Start a job: one command per node (see Job for the options)."""
+    return Job(*commands, **options)
+
+
+def run(*commands, timeout=120, check=True, **options):
+    """Start a job and wait for it (at most `timeout` s); with check, fail unless every node exited 0."""
+    job = Job(*commands, **options)
+    job.wait(timeout)
+    if check and not job.ok:
+        raise AssertionError(f"{job.describe()}; its output ends:\n{job.output[-4000:]}")
+    return job

@@ -1,0 +1,86 @@
+"""What the step scripts print, as patterns: the one place that knows the shape of their lines.
+
+Every step tags its lines with where they come from: `[cpu]` or `[cuda]` in step 1, `[rank 0/2 | cpu]` from step 2
+on, `[rank 1/4 | local 1 | cuda:1]` once there are several nodes. The parsers below read a job's whole output.
+"""
+import re
+
+from utils.memory import COLUMNS
+
+TAG = (r"\[(?:rank (?P<rank>\d+)/(?P<world_size>\d+) \| (?:local (?P<local_rank>\d+) \| )?)?"
+       r"(?P<device>cpu|cuda(?::\d+)?)\]")
+EPOCH = re.compile(TAG + r" epoch (?P<epoch>\d+) \| steps (?P<steps>\d+) \| loss (?P<loss>[\d.]+) \| "
+                         r"(?P<rate>[\d,]+) (?P<unit>samples|tokens)/s")
+SAVED = re.compile(TAG + r" epoch (?P<epoch>\d+) \| (?P<kind>checkpoint|snapshot) saved to (?P<path>\S+)")
+RESUMED = re.compile(TAG + r" resuming from epoch (?P<epoch>\d+), restart (?P<restart>\d+)")
+HELD_OUT = re.compile(TAG + r" held-out (?P<samples>\d+) samples \| loss (?P<loss>[\d.]+)"
+                            r"(?: \| accuracy (?P<accuracy>[\d.]+))?")
+ERROR = re.compile(r"^error: .*$", re.M)  # the one line a step prints when it stops on bad input or a fault
+# What launchers and the C++ layer print around the steps' own lines: torchrun's log records ([W1122 12:00:00...]),
+# the rank-prefixed traceback of a worker that failed ([rank1]: ...), C++ stack frames.
+LAUNCHER_NOISE = re.compile(r"^(?:\[?[WEI]\d{4} |\[rank\d+\]:|frame #|Exception raised from|\s|$)")
+
+
+def epoch_losses(output):
+    """{epoch: loss} from the epoch lines (an epoch reported twice, before and after a restart: the last wins)."""
+    return {int(match["epoch"]): float(match["loss"]) for match in EPOCH.finditer(output)}
+
+
+def resumes(output):
+    """{restart: epoch}: where rank 0 resumed in each attempt that found a snapshot."""
+    return {int(match["restart"]): int(match["epoch"]) for match in RESUMED.finditer(output)
+            if match["rank"] in (None, "0")}
+
+
+def held_out(output):
+    """The held-out line's figures, {"samples": ..., "loss": ..., "accuracy": ... or None}, or None."""
+    match = HELD_OUT.search(output)
+    if match is None:
+        return None
+    return dict(samples=int(match["samples"]), loss=float(match["loss"]),
+                accuracy=None if match["accuracy"] is None else float(match["accuracy"]))
+
+
+def errors(output):
+    """The `error: ...` lines, in order."""
+    return ERROR.findall(output)
+
+
+def own_lines(output):
+    """The steps' own lines, without the launchers' logging and the workers' tracebacks."""
+    return [line for line in output.splitlines() if not LAUNCHER_NOISE.match(line)]
+
+
+def memory_tables(output):
+    """{stage: [row, ...]} from the tables `fsdp.py --verbose` prints (utils/memory.py); each row a dict keyed by
+    the table's columns, the MiB figures as floats (None where the table says n/a)."""
+    row = re.compile(r"^ +(\d+) +(\d+) +(\S+) +(\S+)" + r" +([\d.]+|n/a)" * (len(COLUMNS) - 4) + r"$", re.M)
+    tables = {}
+    for block in re.split(r"^memory ", output, flags=re.M)[1:]:
+        stage = block.split(" (state:", 1)[0]
+        tables[stage] = [dict(zip(COLUMNS, [int(values[0]), int(values[1]), values[2], values[3]] +
+                                  [None if value == "n/a" else float(value) for value in values[4:]]))
+                         for values in row.findall(block)]
+    return tables
+
+
+class Narrator:
+    """An echo for Job.wait_for and Job.wait: a running job's lines as a learner wants to follow them. The steps' own
+    lines as they are, torchrun's log records as `torchrun: <message>`, and the traceback of a worker whose peer
+    vanished mid-collective counted instead of shown."""
+
+    def __init__(self, indent="   "):
+        self.indent, self.hidden = indent, 0
+
+    def __call__(self, line, node=0):
+        if re.match(r"\[rank\d+\]:", line):  # torch prefixes an uncaught exception's lines with the rank
+            self.hidden += 1
+            return
+        if self.hidden:
+            print(f"{self.indent}({self.hidden} lines of a surviving worker's traceback: its peer is gone)")
+            self.hidden = 0
+        notice = re.match(r"[WEI]\d{4} [\d:.]+ \d+ \S+\] (.*)", line)  # torchrun's log records
+        if notice:
+            print(f"{self.indent}torchrun: {notice[1]}")
+        elif line.strip():
+            print(f"{self.indent}{line}")

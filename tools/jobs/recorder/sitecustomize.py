@@ -1,0 +1,100 @@
+"""Loaded by every Python process of a job whose PYTHONPATH starts here (tools/jobs does that): it records what the
+job does and injects faults, each part switched on by its own environment variable. The step scripts are not
+changed; without the variables nothing happens.
+
+- JOB_RECORD_DIR: what the job did, in files of that folder.
+  - writes.tsv: a line `pid<TAB>rank<TAB>path` per torch.save, so a reader can tell how many processes wrote files
+    and which ranks they were ("-": no process group).
+  - samples.jsonl: a JSON line per completed pass over a DataLoader: the process, its rank, torchrun's restart
+    count, the sampler's class and epoch (its set_epoch value), the pass's number in this process, whether the model
+    was wrapped in DDP, and the sample indices in the order the process trained on them. Overlapping shards, a
+    shuffle that never changes, a resume that repeats an epoch: all show in it. (A BatchSampler is what every
+    DataLoader with a batch size iterates over, so patching its __iter__ sees every batch of every step.)
+- JOB_KILL_AT=`RESTART:RANK:EPOCH`: that rank SIGKILLs itself as it begins that epoch in that attempt: a crash at a
+  known point (the epoch counts passes over the DataLoader when the sampler has no set_epoch).
+- JOB_SKIP_ALL_REDUCE=`RANK:N`: the process of that global rank skips its N-th torch.distributed.all_reduce and
+  sleeps instead, never arriving: the classic bug of a collective inside `if rank == 0:`, or a rank stuck in I/O.
+"""
+import os
+
+RECORD_DIR = os.environ.get("JOB_RECORD_DIR")
+KILL_AT = os.environ.get("JOB_KILL_AT")
+SKIP_ALL_REDUCE = os.environ.get("JOB_SKIP_ALL_REDUCE")
+
+
+def _rank():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ["RANK"]) if "RANK" in os.environ else None
+
+
+def _append(name, line):
+    with open(os.path.join(RECORD_DIR, name), "a") as record:
+        record.write(line + "\n")
+
+
+if RECORD_DIR:
+    import torch
+
+    _save = torch.save
+
+    def _recording_save(obj, f, *args, **kwargs):
+        result = _save(obj, f, *args, **kwargs)
+        rank = _rank()
+        _append("writes.tsv", f"{os.getpid()}\t{'-' if rank is None else rank}\t{os.path.abspath(str(f))}")
+        return result
+
+    torch.save = _recording_save
+
+if RECORD_DIR or KILL_AT:
+    import json
+    import signal
+
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import BatchSampler
+
+    _passes = [0]  # passes over a DataLoader begun by this process
+    _wrapped = [False]  # did this process build a DistributedDataParallel?
+    _ddp_init, _batches = DistributedDataParallel.__init__, BatchSampler.__iter__
+
+    def _noting_ddp_init(self, *args, **kwargs):
+        _wrapped[0] = True
+        _ddp_init(self, *args, **kwargs)
+
+    def _recording_batches(self):
+        epoch, number = getattr(self.sampler, "epoch", None), _passes[0]
+        _passes[0] += 1
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if KILL_AT == f"{restart}:{_rank()}:{number if epoch is None else epoch}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        indices = []
+        for batch in _batches(self):
+            indices.extend(int(i) for i in batch)
+            yield batch
+        if RECORD_DIR:
+            _append("samples.jsonl", json.dumps(dict(
+                pid=os.getpid(), rank=_rank(), restart=restart, sampler=type(self.sampler).__name__, epoch=epoch,
+                number=number, ddp=_wrapped[0], indices=indices)))
+
+    DistributedDataParallel.__init__ = _noting_ddp_init
+    BatchSampler.__iter__ = _recording_batches
+
+if SKIP_ALL_REDUCE:
+    import time
+
+    import torch.distributed as dist
+
+    _skip_rank, _skip_call = map(int, SKIP_ALL_REDUCE.split(":"))
+    _calls = [0]
+    _all_reduce = dist.all_reduce
+
+    def _all_reduce_but_skip_one(*args, **kwargs):
+        _calls[0] += 1
+        if int(os.environ.get("RANK", -1)) == _skip_rank and _calls[0] == _skip_call:
+            print(f"[job] rank {_skip_rank} skips its all_reduce number {_skip_call}", flush=True)
+            time.sleep(120)  # ended by the launcher once the other ranks have failed; bounded all the same
+        return _all_reduce(*args, **kwargs)
+
+    dist.all_reduce = _all_reduce_but_skip_one
