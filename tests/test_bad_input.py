@@ -5,16 +5,18 @@ import sys
 import pytest
 import torch
 
-from support import PYTHON, run, script
+from tools.jobs import python, run, script
+from tools.stepdiff import steps
 
-STEPS = ["single_gpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py"]
+STEPS = steps()
+TORCHRUN_STEPS = [step for step in STEPS if step not in ("single_gpu.py", "multigpu.py")]
 
 
-def assert_one_clear_error(proc, *words):
-    assert proc.returncode != 0, proc.output
-    assert "Traceback" not in proc.output, proc.output
-    last = proc.output.strip().splitlines()[-1]
-    assert "error" in last and all(word in last for word in words), proc.output
+def assert_one_clear_error(job, *words):
+    assert job.returncode not in (0, None), job.output
+    assert "Traceback" not in job.output, job.output
+    last = job.output.strip().splitlines()[-1]
+    assert "error" in last and all(word in last for word in words), job.output
 
 
 def run_main(monkeypatch, step, *args):
@@ -36,8 +38,8 @@ def test_epochs_must_be_a_positive_whole_number(tmp_path, monkeypatch, capsys, s
 
 
 def test_a_bad_argument_exits_non_zero_for_real(tmp_path):
-    proc = run([PYTHON, script("multigpu.py"), "0", "1"], cwd=tmp_path, check=False)
-    assert_one_clear_error(proc, "total_epochs", "at least 1")
+    job = run(python("multigpu.py", "0", "1"), cwd=tmp_path, check=False)
+    assert_one_clear_error(job, "total_epochs", "at least 1")
 
 
 def test_world_size_must_be_at_least_one(monkeypatch, capsys):
@@ -45,11 +47,11 @@ def test_world_size_must_be_at_least_one(monkeypatch, capsys):
     assert "error: argument --world_size: must be at least 1, got 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("step", ["multigpu_torchrun.py", "multinode.py"])
+@pytest.mark.parametrize("step", TORCHRUN_STEPS)
 def test_a_torchrun_script_started_with_plain_python_says_how_to_launch_it(tmp_path, step):
-    proc = run([PYTHON, script(step), "50", "10"], cwd=tmp_path, check=False)
-    assert_one_clear_error(proc, "torchrun", f"{step} 50 10")
-    assert "KeyError" not in proc.output
+    job = run(python(step, "50", "10"), cwd=tmp_path, check=False)
+    assert_one_clear_error(job, "torchrun", f"{step} 50 10")
+    assert "KeyError" not in job.output
 
 
 def pretend_one_gpu(monkeypatch):
@@ -64,7 +66,7 @@ def test_more_spawned_processes_than_gpus_is_refused(monkeypatch):
     assert "2 processes on this machine but 1 GPU(s): one process per GPU (--world_size)" in str(stop)
 
 
-@pytest.mark.parametrize("step", ["multigpu_torchrun.py", "multinode.py"])
+@pytest.mark.parametrize("step", TORCHRUN_STEPS)
 def test_more_torchrun_processes_than_gpus_is_refused(monkeypatch, step):
     pretend_one_gpu(monkeypatch)
     for name, value in {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "RANK": "1", "WORLD_SIZE": "2"}.items():
@@ -75,5 +77,5 @@ def test_more_torchrun_processes_than_gpus_is_refused(monkeypatch, step):
 @pytest.mark.gpu
 def test_on_a_gpu_machine_world_size_above_the_gpu_count_is_refused(tmp_path):
     too_many = torch.cuda.device_count() + 1
-    proc = run([PYTHON, script("multigpu.py"), "1", "1", "--world_size", str(too_many)], cwd=tmp_path, check=False)
-    assert_one_clear_error(proc, "--world_size")
+    job = run(python("multigpu.py", "1", "1", "--world_size", too_many), cwd=tmp_path, check=False, gpu=True)
+    assert_one_clear_error(job, "--world_size")

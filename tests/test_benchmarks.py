@@ -3,18 +3,18 @@ benchmarks' business, not the tests')."""
 import re
 import runpy
 
-from support import PYTHON, REPO, run, script
+from tools.jobs import REPO, python, run
 
 
 def test_scaling_prints_a_table_against_the_ceiling_and_draws_it(tmp_path):
     plot = tmp_path / "scaling.png"
-    proc = run([PYTHON, script("benchmarks/scaling.py"), "--devices", "cpu", "--max_procs", 2, "--rounds", 1,
-                "--workload", "synthetic", "--plot", plot], cwd=tmp_path, timeout=180)
+    job = run(python("benchmarks/scaling.py", "--devices", "cpu", "--max_procs", 2, "--rounds", 1,
+                     "--workload", "synthetic", "--plot", plot), cwd=tmp_path, timeout=180)
     rows = re.findall(r"^\| (\d) \| [\d,]+ \| ([\d.]+)x \| ([\d.]+) \| [\d,]+ \| ([\d.]+)x \| ([\d.]+) \| [\d.]+x \|$",
-                      proc.output, re.M)
-    assert [row[0] for row in rows] == ["1", "2"], proc.output
+                      job.output, re.M)
+    assert [row[0] for row in rows] == ["1", "2"], job.output
     assert rows[0][1:] == ("1.00", "1.00", "1.00", "1.00")  # one process is the yardstick
-    assert re.search(r"cpu: 2 processes reach [\d.]+x of one with DDP, [\d.]+ of the [\d.]+x", proc.output)
+    assert re.search(r"cpu: 2 processes reach [\d.]+x of one with DDP, [\d.]+ of the [\d.]+x", job.output)
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
@@ -25,3 +25,31 @@ def test_overhead_compares_the_trainer_with_a_bare_loop(monkeypatch, capsys):
     output = capsys.readouterr().out
     assert re.search(r"^\| synthetic \| 64 \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", output, re.M), output
     assert re.search(r"worst ratio [\d.]+x \(goal <= 1.10x\): (met|NOT met)", output)
+
+
+def test_recovery_times_a_kill_against_a_cold_start(tmp_path):
+    job = run(python("benchmarks/recovery.py", "--epochs", 6, "--save_every", 2, "--kill_after", 3), cwd=tmp_path,
+              timeout=180)
+    assert re.search(r"rank 1 \(pid \d+\) SIGKILLed after epoch 3", job.output), job.output
+    for label in ("cold start   launch -> first training step", "recovery     kill -> snapshot loaded",
+                  "ratio        recovery / cold start"):
+        assert re.search(rf"^{re.escape(label)}.*? [\d.]+", job.output, re.M), job.output
+    # snapshots after epochs 1, 3, 5: the kill after epoch 3's line lands before or after the one of epoch 3
+    lost = re.search(r"work lost    (\d+) finished epoch\(s\) since the snapshot of epoch (\d)( \(epochs (\d)-(\d)\))? "
+                     r"plus the one in progress", job.output)
+    assert lost, job.output
+    redone, snapshot = int(lost[1]), int(lost[2])
+    assert snapshot in (1, 3), job.output
+    if redone:  # the epochs after that snapshot that finished before the kill: they are trained again
+        assert int(lost[4]) == snapshot + 1 and redone == int(lost[5]) - int(lost[4]) + 1, job.output
+    else:
+        assert lost[3] is None, job.output
+
+
+def test_dataparallel_against_ddp_says_what_it_compares_on_a_cpu(tmp_path):
+    job = run(python("benchmarks/dataparallel_vs_ddp.py", "--workload", "synthetic", "--steps", 8, "--warmup", 2,
+                     "--batch_size", 64), cwd=tmp_path, timeout=180)
+    assert "No CUDA device: DataParallel does nothing here" in job.output, job.output
+    assert re.search(r"one process \(DataParallel is a no-op without CUDA\) +[\d,]+ samples/s", job.output)
+    assert re.search(r"DDP, 2 processes +[\d,]+ samples/s", job.output)
+    assert re.search(r"DDP / one process: [\d.]+x", job.output)

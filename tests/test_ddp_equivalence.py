@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import single_gpu
-from support import PYTHON, run, script
+from tools.jobs import python, run
 from utils import make_workload
 
 BATCH, EPOCHS = 16, 2
@@ -30,7 +30,7 @@ def train_in_one_process(batch_size):
 @pytest.fixture(scope="module")
 def two_rank_weights(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ddp")
-    run([PYTHON, script("multigpu.py"), EPOCHS, EPOCHS, "--world_size", 2, "--batch_size", BATCH], cwd=workdir)
+    run(python("multigpu.py", EPOCHS, EPOCHS, "--world_size", 2, "--batch_size", BATCH), cwd=workdir)
     return torch.load(workdir / "checkpoint.pt", weights_only=True)
 
 

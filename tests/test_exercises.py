@@ -1,14 +1,30 @@
 """The workshop checker keeps its promise: the repository's own steps pass every exercise, each starting file fails
 with the message its exercise is about, and seeded mistakes are named in the learner's terms."""
+import difflib
 import re
 
 import pytest
 
 from exercises.check import check
-from support import PYTHON, REPO, run, script
+from tools.jobs import PYTHON, REPO, run, script
 
 STEPS = {1: "multigpu.py", 2: "multigpu_torchrun.py", 3: "multinode.py"}
 STARTS = {1: "exercises/1_ddp/start.py", 2: "exercises/2_survive_a_kill/start.py", 3: "exercises/3_two_nodes/start.py"}
+
+
+@pytest.mark.parametrize("number", sorted(STEPS))
+def test_a_starting_file_is_its_solution_but_for_the_lines_its_todos_name(number):
+    """A starting file is the step it leads to with the exercise's lines taken out: every other line is the step's,
+    so the diff the hints suggest (`diff start.py solution.py`) shows the exercise and nothing else."""
+    start, solution = (REPO / STARTS[number]).read_text().splitlines(), (REPO / STEPS[number]).read_text().splitlines()
+    docstring_end = next(index for index, line in enumerate(start) if index and line.endswith('"""'))
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, start, solution, autojunk=False).get_opcodes():
+        if tag == "equal" or i2 <= docstring_end + 1:
+            continue
+        changed = start[max(0, i1 - 1):i1 + 1] if tag == "insert" else start[i1:i2]  # an insertion: where it goes
+        assert any("TODO" in line for line in changed), (
+            f"{STARTS[number]}:{i1 + 1}: differs from {STEPS[number]} where no TODO says so:\n"
+            + "\n".join([*(f"-{line}" for line in start[i1:i2]), *(f"+{line}" for line in solution[j1:j2])]))
 
 
 def seeded(tmp_path, step, *edits):
@@ -35,10 +51,10 @@ def test_the_repositorys_step_passes_its_exercise(number, tmp_path):
 
 
 def test_starting_file_1_runs_in_one_process_and_the_checker_says_so(tmp_path):
-    proc = run([PYTHON, REPO / "exercises/check.py", 1, REPO / STARTS[1]], cwd=tmp_path, check=False)
-    assert proc.returncode == 1, proc.output
-    assert "✗ only one process trained: start 2 processes (mp.spawn(" in proc.output
-    assert "1 problem(s). Hints: exercises/1_ddp/hints.md" in proc.output
+    job = run([PYTHON, REPO / "exercises/check.py", 1, REPO / STARTS[1]], cwd=tmp_path, check=False)
+    assert job.returncode == 1, job.output
+    assert "✗ only one process trained: start 2 processes (mp.spawn(" in job.output
+    assert "1 problem(s). Hints: exercises/1_ddp/hints.md" in job.output
 
 
 @pytest.mark.slow
@@ -54,8 +70,8 @@ def test_starting_file_3_trains_out_of_step_when_nodes_have_their_own_disks(tmp_
 
 
 def test_checker_refuses_a_missing_script(tmp_path):
-    proc = run([PYTHON, REPO / "exercises/check.py", 1, "no_such_script.py"], cwd=tmp_path, check=False)
-    assert proc.returncode == 1 and proc.output.strip() == "error: no_such_script.py is not a file"
+    job = run([PYTHON, REPO / "exercises/check.py", 1, "no_such_script.py"], cwd=tmp_path, check=False)
+    assert job.returncode == 1 and job.output.strip() == "error: no_such_script.py is not a file"
 
 
 def test_a_dataloader_without_distributed_sampler_shows_as_overlapping_ranks(tmp_path):

@@ -2,27 +2,19 @@
 workers resume from the snapshot, and the job ends bitwise identical to one that was never interrupted. A job that
 fails more often than --max_restarts allows stops with a clear message and leaves its last snapshot usable; a snapshot
 that cannot be resumed from stops the job with one line and stays where it is."""
-import os
 import re
-import signal
-from contextlib import contextmanager
 
 import pytest
 import torch
 from torch import nn
 
-from support import LogFollower, job_env, kill_tree, run, script, start, torchrun, torchrun_workers
+from tools.jobs import FRESH_STORE, output, run, script, start, torchrun
 from utils import make_workload
 
 EPOCHS, SAVE_EVERY = 9, 3  # snapshots after epochs 2, 5 and 8
 ARGS = (EPOCHS, SAVE_EVERY, "--batch_size", 8)  # small batches: an epoch lasts long enough to kill a worker inside it
 NPROC = 2
 SNAPSHOT = "snapshot.pt"
-# Since torch 2.5 restarted workers meet in the rendezvous store of the killed ones, whose stale addresses can fail
-# or hang the new process group; with a store of its own per attempt every restart starts clean (README).
-ENV = job_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-RESUMED = r"resuming from epoch (\d+), restart {restart}"
-EPOCH_DONE = r"\] epoch \d+ \| steps"
 
 
 def load(path):
@@ -46,38 +38,22 @@ def assert_bitwise_equal(actual, expected, where="snapshot"):
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
-@contextmanager
 def launched(tmp_path, max_restarts):
-    """The tutorial's torchrun command with --max_restarts, in the background, and a reader of what it prints; on
-    leaving, whatever is still running of it is killed."""
-    log = tmp_path / "job.log"
-    job = start(torchrun("multigpu_torchrun.py", *ARGS, nproc=NPROC, launcher_args=[f"--max_restarts={max_restarts}"]),
-                cwd=tmp_path, env=ENV, log=log)
-    try:
-        yield job, LogFollower(log, job)
-    finally:
-        if job.poll() is None:
-            kill_tree(job)
+    """The tutorial's torchrun command with --max_restarts, started in the background (with a fresh rendezvous
+    store per attempt: see tools/jobs.FRESH_STORE)."""
+    return start(torchrun("multigpu_torchrun.py", *ARGS, nproc=NPROC, launcher_args=[f"--max_restarts={max_restarts}"]),
+                 cwd=tmp_path, env=FRESH_STORE)
 
 
-def kill_worker(job, restart, rank):
-    """SIGKILL, from outside, the worker of `rank` that torchrun started for attempt `restart`; its pid."""
-    pid = torchrun_workers(job.pid, NPROC, restart)[rank]
-    os.kill(pid, signal.SIGKILL)
-    return pid
-
-
-def resumes(output):
-    """{restart count: epoch resumed from}, from rank 0's resume lines."""
-    return {int(restart): int(epoch) for epoch, restart in
-            re.findall(r"\[rank 0/\d+[^\]]*\] " + RESUMED.format(restart=r"(\d+)"), output)}
+def resumed_line(restart):
+    return rf"\[rank 0/\d+[^\]]*\] resuming from epoch \d+, restart {restart}"
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The final snapshot of the same job, never interrupted."""
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    run(torchrun("multigpu_torchrun.py", *ARGS, nproc=NPROC), cwd=workdir, env=ENV)
+    run(torchrun("multigpu_torchrun.py", *ARGS, nproc=NPROC), cwd=workdir)
     return load(workdir / SNAPSHOT)
 
 
@@ -86,25 +62,24 @@ def reference(tmp_path_factory):
 def test_a_worker_killed_at_four_points_the_job_still_ends_bitwise_identical(tmp_path, reference):
     """Four SIGKILLs in one job (--max_restarts=4), each after a line that shows where training is. A kill lands a
     moment after its line, usually in the next epoch; wherever it lands, the end result must be the same."""
-    with launched(tmp_path, max_restarts=4) as (job, log):
-        log.wait_for(r"\] epoch 0 \| steps")  # 1. before any snapshot: the writer (rank 0) dies in epoch 1
-        kill_worker(job, restart=0, rank=0)
+    with launched(tmp_path, max_restarts=4) as job:
+        job.wait_for(r"\] epoch 0 \| steps")  # 1. before any snapshot: the writer (rank 0) dies in epoch 1
+        job.kill_worker(rank=0, restart=0)
         killed_before_any_snapshot = not (tmp_path / SNAPSHOT).exists()
-        log.wait_for(r"\] epoch 2 \| snapshot saved")  # 2. right after a snapshot (restart 1 started over)
-        kill_worker(job, restart=1, rank=1)
-        log.wait_for(RESUMED.format(restart=2))  # 3. mid-interval: two epochs after the resume, neither saved yet
-        log.wait_for(EPOCH_DONE)
-        log.wait_for(EPOCH_DONE)
-        kill_worker(job, restart=2, rank=0)
-        log.wait_for(RESUMED.format(restart=3))  # 4. right after the first snapshot since that resume
-        log.wait_for(r"\] epoch \d+ \| snapshot saved")
-        kill_worker(job, restart=3, rank=1)
-        code = job.wait(timeout=120)
-    output = log.path.read_text()
-    assert code == 0, output
-    resumed = resumes(output)
-    assert killed_before_any_snapshot and 1 not in resumed, f"the first kill came after a snapshot:\n{output}"
-    assert sorted(resumed) == [2, 3, 4], output
+        job.wait_for(r"\] epoch 2 \| snapshot saved")  # 2. right after a snapshot (restart 1 started over)
+        job.kill_worker(rank=1, restart=1)
+        job.wait_for(resumed_line(2))  # 3. mid-interval: two epochs after the resume, neither saved yet
+        job.wait_for(output.EPOCH)
+        job.wait_for(output.EPOCH)
+        job.kill_worker(rank=0, restart=2)
+        job.wait_for(resumed_line(3))  # 4. right after the first snapshot since that resume
+        job.wait_for(output.SAVED)
+        job.kill_worker(rank=1, restart=3)
+        [code] = job.wait(timeout=120)
+    assert code == 0, job.output
+    resumed = job.resumes
+    assert killed_before_any_snapshot and 1 not in resumed, f"the first kill came after a snapshot:\n{job.output}"
+    assert sorted(resumed) == [2, 3, 4], job.output
     assert resumed[2] >= 3 and resumed[4] >= resumed[3] + SAVE_EVERY, resumed  # typically 3, 3 (work lost), 6
     assert all(epoch % SAVE_EVERY == 0 for epoch in resumed.values()), resumed  # only from a snapshot
     assert_bitwise_equal(load(tmp_path / SNAPSHOT), reference)
@@ -113,15 +88,14 @@ def test_a_worker_killed_at_four_points_the_job_still_ends_bitwise_identical(tmp
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_more_failures_than_max_restarts_stop_the_job_and_a_rerun_finishes_from_the_last_snapshot(tmp_path, reference):
-    with launched(tmp_path, max_restarts=1) as (job, log):
-        log.wait_for(r"\] epoch 2 \| snapshot saved")
-        kill_worker(job, restart=0, rank=1)
-        resumed_from = int(log.wait_for(RESUMED.format(restart=1))[1])
-        last_pid = kill_worker(job, restart=1, rank=0)  # a second failure: no restart left
-        code = job.wait(timeout=60)
-    output = log.path.read_text()
-    assert code != 0, output
-    assert f"Signal 9 (SIGKILL) received by PID {last_pid}" in output, output  # torchrun's report names the failure
+    with launched(tmp_path, max_restarts=1) as job:
+        job.wait_for(r"\] epoch 2 \| snapshot saved")
+        job.kill_worker(rank=1, restart=0)
+        resumed_from = int(job.wait_for(output.RESUMED)["epoch"])
+        last_pid = job.kill_worker(rank=0, restart=1)  # a second failure: no restart left
+        [code] = job.wait(timeout=60)
+    assert code not in (0, None), job.output
+    assert f"Signal 9 (SIGKILL) received by PID {last_pid}" in job.output, job.output  # torchrun's report names it
 
     snapshot = load(tmp_path / SNAPSHOT)  # the last good snapshot: whole, and the one the last attempt resumed from
     assert snapshot["EPOCHS_RUN"] == resumed_from
@@ -130,8 +104,8 @@ def test_more_failures_than_max_restarts_stop_the_job_and_a_rerun_finishes_from_
     workload.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
 
     (tmp_path / f"{SNAPSHOT}.tmp").write_bytes(b"half of a snapshot")  # what a crash in the middle of a write leaves
-    rerun = run(torchrun("multigpu_torchrun.py", *ARGS, nproc=NPROC), cwd=tmp_path, env=ENV)
-    assert resumes(rerun.output) == {0: resumed_from}, rerun.output  # the leftover temporary file is ignored
+    rerun = run(torchrun("multigpu_torchrun.py", *ARGS, nproc=NPROC), cwd=tmp_path, logs=tmp_path / "rerun")
+    assert rerun.resumes == {0: resumed_from}, rerun.output  # the leftover temporary file is ignored
     assert_bitwise_equal(load(tmp_path / SNAPSHOT), reference)
 
 
@@ -155,10 +129,10 @@ def test_a_snapshot_that_cannot_be_resumed_stops_the_job_with_one_line_and_stays
     path = tmp_path / SNAPSHOT
     write_snapshot(path)
     before = path.read_bytes()
-    proc = run(torchrun("multigpu_torchrun.py", *ARGS, nproc=NPROC), cwd=tmp_path, env=ENV, check=False)
-    assert proc.returncode != 0, proc.output
+    job = run(torchrun("multigpu_torchrun.py", *ARGS, nproc=NPROC), cwd=tmp_path, check=False)
+    assert job.returncode not in (0, None), job.output
     assert re.search(rf"^error: cannot resume from {SNAPSHOT} \(\w+: [^\n]*\); it is left in place: "
-                     r"move it away to start anew$", proc.output, re.M), proc.output
-    assert f'File "{script("multigpu_torchrun.py")}", line' not in proc.output  # no traceback through the script
-    assert not re.search(EPOCH_DONE, proc.output), "it trained anyway"
+                     r"move it away to start anew$", job.output, re.M), job.output
+    assert f'File "{script("multigpu_torchrun.py")}", line' not in job.output  # no traceback through the script
+    assert not job.losses, "it trained anyway"
     assert path.read_bytes() == before

@@ -1,10 +1,7 @@
 """fsdp.py, the sharded step: FSDP trains exactly as DDP does while each rank holds 1/world_size of the training
 state, its sharded snapshot survives a killed worker, its exported model is a plain state_dict, and --verbose prints
 every rank's memory in one table."""
-import os
 import re
-import signal
-import time
 from datetime import timedelta
 
 import pytest
@@ -15,9 +12,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import TensorDataset
 
-from support import PYTHON, epoch_losses, job_env, kill_tree, run, script, start, torchrun, torchrun_workers
+from tools.jobs import FRESH_STORE, output, python, run, start, torchrun
+from tools.jobs.output import epoch_losses, memory_tables
 from utils import evaluate, exit_without_teardown, free_port, make_workload
-from utils.memory import memory_tables
 
 EPOCHS = 2
 WIDE = ["--workload", "wide", "--batch_size", 64, "--verbose"]  # large enough for sharding to show
@@ -98,59 +95,50 @@ def test_fsdp_holds_a_world_size_share_of_the_training_state_that_ddp_copies(wid
 
 def test_a_killed_worker_resumes_from_the_sharded_snapshot_after_the_restart(tmp_path):
     epochs = 6
-    log = tmp_path / "job.log"
-    # restarted workers get a rendezvous store of their own, not one holding the killed ones' addresses (README)
-    env = job_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    job = start(torchrun("fsdp.py", epochs, 2, launcher_args=["--max-restarts=1"]), cwd=tmp_path, env=env, log=log)
-    try:
-        deadline = time.monotonic() + 90
-        while not (tmp_path / "snapshot").exists():  # the first snapshot (after epoch 1) is in place
-            assert job.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-        os.kill(torchrun_workers(job.pid, 2)[1], signal.SIGKILL)  # no handler, no cleanup: a crash
-        assert job.wait(timeout=150) == 0, log.read_text()
-    finally:
-        kill_tree(job)
-    output = log.read_text()
-    resumed = re.findall(r"\[rank (\d)/2[^\]]*\] resuming from epoch (\d+), restart 1", output)
-    assert sorted(rank for rank, _ in resumed) == ["0", "1"], output
+    with start(torchrun("fsdp.py", epochs, 2, launcher_args=["--max-restarts=1"]), cwd=tmp_path,
+               env=FRESH_STORE) as job:
+        job.wait_for(output.SAVED, timeout=90)  # the first snapshot (after epoch 1) is in place
+        job.kill_worker(rank=1)  # no handler, no cleanup: a crash
+        assert job.wait(timeout=150) == [0], job.output
+    text = job.output
+    resumed = re.findall(r"\[rank (\d)/2[^\]]*\] resuming from epoch (\d+), restart 1", text)
+    assert sorted(rank for rank, _ in resumed) == ["0", "1"], text
     resumed_at = int(resumed[0][1])
-    assert resumed_at in range(2, epochs, 2), output  # a whole number of saves (every 2 epochs), not epoch 0
-    after_restart = epoch_losses(output[output.index("resuming from epoch"):])
-    assert sorted(after_restart) == list(range(resumed_at, epochs)), output
-    first_run = epoch_losses(output[:output.index("resuming from epoch")])
+    assert resumed_at in range(2, epochs, 2), text  # a whole number of saves (every 2 epochs), not epoch 0
+    after_restart = epoch_losses(text[text.index("resuming from epoch"):])
+    assert sorted(after_restart) == list(range(resumed_at, epochs)), text
+    first_run = epoch_losses(text[:text.index("resuming from epoch")])
     assert after_restart[resumed_at] < 0.5 * first_run[0], "the restart did not start from the trained weights"
 
 
 def test_a_corrupt_snapshot_stops_every_rank_with_one_clear_line(tmp_path):
     (tmp_path / "snapshot").mkdir()
     (tmp_path / "snapshot" / ".metadata").write_bytes(b"not a checkpoint")
-    proc = run(torchrun("fsdp.py", 2, 1), cwd=tmp_path, timeout=120, check=False)
-    assert proc.returncode != 0
+    job = run(torchrun("fsdp.py", 2, 1), cwd=tmp_path, timeout=120, check=False)
+    assert job.returncode not in (0, None)
     # one line from each rank; the two ranks write at the same moment, so their lines may run together
-    errors = re.findall(r"error: cannot resume from snapshot \(.*?\); it is left in place", proc.output)
-    assert len(errors) == 2, proc.output
+    errors = re.findall(r"error: cannot resume from snapshot \(.*?\); it is left in place", job.output)
+    assert len(errors) == 2, job.output
     assert (tmp_path / "snapshot" / ".metadata").read_bytes() == b"not a checkpoint"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gives")
 def test_gpu_only_options_stop_with_one_clear_line_on_a_cpu(tmp_path):
-    as_torchrun_starts_it = job_env({"LOCAL_RANK": "0", "RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1"})
-    proc = run([PYTHON, script("fsdp.py"), 2, 1, "--bf16"], cwd=tmp_path, env=as_torchrun_starts_it, timeout=60,
-               check=False)
-    assert proc.returncode == 1
-    assert proc.output.strip().startswith("error: --bf16 and --cpu_offload"), proc.output
-    assert len(proc.output.strip().splitlines()) == 1, proc.output
+    as_torchrun_starts_it = {"LOCAL_RANK": "0", "RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1"}
+    job = run(python("fsdp.py", 2, 1, "--bf16"), cwd=tmp_path, env=as_torchrun_starts_it, timeout=60, check=False)
+    assert job.returncode == 1
+    assert job.output.strip().startswith("error: --bf16 and --cpu_offload"), job.output
+    assert len(job.output.strip().splitlines()) == 1, job.output
 
 
 @pytest.mark.gpu
 def test_bf16_with_cpu_offload_trains_on_gpus(tmp_path):
     nproc = min(2, torch.cuda.device_count())
-    proc = run(torchrun("fsdp.py", EPOCHS, 1, *WIDE, "--bf16", "--cpu_offload", nproc=nproc), cwd=tmp_path,
-               env=job_env(gpu=True), timeout=180)
-    losses = epoch_losses(proc.output)
+    job = run(torchrun("fsdp.py", EPOCHS, 1, *WIDE, "--bf16", "--cpu_offload", nproc=nproc), cwd=tmp_path,
+              gpu=True, timeout=180)
+    losses = job.losses
     assert losses[EPOCHS - 1] < losses[0], losses
-    for row in memory_tables(proc.output)["end"]:
+    for row in memory_tables(job.output)["end"]:
         assert row["device"] == f"cuda:{row['local']}", row
 
 

@@ -1,37 +1,30 @@
 """Per-rank metrics: with TUTORIAL_RUN_DIR set, every rank appends its own epoch figures (not the all-reduced ones)
-to its own JSON-lines file, and tools/plot_metrics.py draws them to a PNG."""
+to its own JSON-lines file, a resumed run appends to them, and tools/plot_metrics.py draws them to a PNG."""
 import json
 
 import pytest
 import torch
 
-from support import epoch_losses, job_env, run, torchrun
 from tools import plot_metrics
+from tools.jobs.output import epoch_losses
 from utils import make_workload
-from utils.metrics import read_run
 
-EPOCHS = 2
+EPOCHS = 4  # the shared torchrun runs: 2 epochs, then a rerun that resumes and trains 2 more
 FIELDS = {"rank", "world_size", "epoch", "step", "loss", "samples", "seconds", "samples_per_s", "time"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory):
-    """A 2-process torchrun job with metrics on: (its output, its run directory)."""
-    workdir = tmp_path_factory.mktemp("metrics")
-    run_dir = workdir / "runs" / "two"
-    proc = run(torchrun("multigpu_torchrun.py", EPOCHS, EPOCHS), cwd=workdir,
-               env=job_env({"TUTORIAL_RUN_DIR": str(run_dir)}))
-    return proc.output, run_dir
+def run_dir(torchrun_jobs):
+    return torchrun_jobs["workdir"] / "runs"
 
 
-def test_each_rank_writes_its_own_file_one_line_per_epoch(two_rank_run):
-    _, run_dir = two_rank_run
+def test_each_rank_writes_its_own_file_one_line_per_epoch_and_a_resumed_run_appends(run_dir):
     assert sorted(path.name for path in run_dir.iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
-    runs = read_run(run_dir)
+    runs = plot_metrics.read_run(run_dir)
     steps_per_epoch = 2048 // 2 // 32  # synthetic: 2048 samples, half per rank, batch 32
     for rank, records in runs.items():
-        assert [r["epoch"] for r in records] == list(range(EPOCHS))
+        assert [r["epoch"] for r in records] == list(range(EPOCHS)), "epochs 2 and 3 appended by the rerun"
         for r in records:
             assert set(r) == FIELDS
             assert (r["rank"], r["world_size"], r["samples"]) == (rank, 2, 1024)  # this rank's share, not 2048
@@ -40,10 +33,9 @@ def test_each_rank_writes_its_own_file_one_line_per_epoch(two_rank_run):
             assert r["seconds"] > 0 and r["loss"] > 0
 
 
-def test_the_logged_loss_is_each_ranks_own_and_they_average_to_the_printed_one(two_rank_run):
-    output, run_dir = two_rank_run
-    printed = epoch_losses(output)  # rank 0 prints the all-reduced mean over both ranks
-    runs = read_run(run_dir)
+def test_the_logged_loss_is_each_ranks_own_and_they_average_to_the_printed_one(torchrun_jobs, run_dir):
+    printed = epoch_losses(torchrun_jobs["first"].output + torchrun_jobs["resumed"].output)  # the all-reduced mean
+    runs = plot_metrics.read_run(run_dir)
     for epoch in range(EPOCHS):
         rank0, rank1 = runs[0][epoch], runs[1][epoch]
         assert rank0["loss"] != rank1["loss"]  # different data, different mean loss: not a shared, reduced number
@@ -51,16 +43,15 @@ def test_the_logged_loss_is_each_ranks_own_and_they_average_to_the_printed_one(t
         assert mean == pytest.approx(printed[epoch], abs=1e-4)  # printed with 4 decimals
 
 
-def test_plot_draws_the_run_to_a_png(two_rank_run, tmp_path, monkeypatch, capsys):
-    _, run_dir = two_rank_run
+def test_plot_draws_the_run_to_a_png(run_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "plot.png"
     monkeypatch.setattr("sys.argv", ["plot_metrics.py", str(run_dir), "-o", str(out)])
     plot_metrics.main()
-    assert "2 ranks, 2 epochs" in capsys.readouterr().out
+    assert f"2 ranks, {EPOCHS} epochs" in capsys.readouterr().out
     assert out.read_bytes().startswith(PNG_SIGNATURE) and out.stat().st_size > 10_000
 
 
-def test_plot_of_a_directory_without_metrics_stops_with_one_line(tmp_path, monkeypatch, capsys):
+def test_plot_of_a_directory_without_metrics_stops_with_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["plot_metrics.py", str(tmp_path)])
     with pytest.raises(SystemExit) as stop:
         plot_metrics.main()

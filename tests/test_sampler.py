@@ -1,50 +1,47 @@
-"""What DistributedSampler promises, and every DDP step relies on: each rank gets its own share of the data,
-together they cover all of it, and `set_epoch` reshuffles the same way on every rank."""
-import pytest
-from torch.utils.data.distributed import DistributedSampler
+"""What each rank really trained on, recorded sample by sample from real runs of the steps: its own share of the
+data, together all of it, a new order every epoch (the same one again after a resume), and DistributedSampler's
+padding when the ranks cannot split the data evenly."""
+from itertools import combinations
 
-from utils import make_workload
+from tools.jobs import python, run
 
-DATASET = make_workload().train_set  # 2048 samples
-
-
-def shards(world_size, epoch=0, dataset=DATASET):
-    samplers = [DistributedSampler(dataset, num_replicas=world_size, rank=rank) for rank in range(world_size)]
-    for sampler in samplers:
-        sampler.set_epoch(epoch)
-    return [list(sampler) for sampler in samplers]
+DATASET_SIZE = 2048  # the synthetic workload's training set
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_shards_are_disjoint_and_cover_the_data(world_size):
-    parts = shards(world_size)
-    assert len({len(part) for part in parts}) == 1, "every rank gets the same number of samples"
-    seen = [index for part in parts for index in part]
-    assert set(seen) == set(range(len(DATASET))), "together the ranks see every sample"
-    padding = len(seen) - len(DATASET)
-    # 2048 = 2 x 1024 splits evenly; 2048 = 3 x 682 + 2, so the sampler repeats 1 sample to give 3 x 683.
-    assert padding == (-len(DATASET)) % world_size
-    assert len(seen) - len(set(seen)) == padding, "only the padding repeats, nothing else overlaps"
+def by_epoch(samples):
+    """{epoch: {rank: indices}} of a recorded job."""
+    epochs = {}
+    for row in samples:
+        epochs.setdefault(row["epoch"], {})[row["rank"]] = row["indices"]
+    return epochs
 
 
-def test_padding_repeats_the_first_indices_of_the_shuffle():
-    """With 3 ranks and 2048 samples, the shuffled list is extended by its own first index to 2049 so every rank
-    gets 683: one sample is seen twice an epoch. (drop_last=True would drop the tail instead.)"""
-    parts = shards(3)
-    seen = [index for part in parts for index in part]
-    repeated = [index for index in set(seen) if seen.count(index) > 1]
-    assert len(repeated) == 1
-    interleaved = [parts[i % 3][i // 3] for i in range(len(seen))]  # undo the rank::world_size striding
-    assert interleaved[-1] == interleaved[0]
+def test_two_ranks_train_on_disjoint_halves_that_cover_the_data_every_epoch(torchrun_jobs):
+    epochs = by_epoch(torchrun_jobs["first"].samples + torchrun_jobs["resumed"].samples)
+    assert sorted(epochs) == [0, 1, 2, 3]
+    for epoch, shares in epochs.items():
+        assert sorted(shares) == [0, 1]
+        assert [len(indices) for indices in shares.values()] == [DATASET_SIZE // 2] * 2, epoch
+        assert not set(shares[0]) & set(shares[1]), f"epoch {epoch}: a sample trained on by both ranks"
+        assert set(shares[0]) | set(shares[1]) == set(range(DATASET_SIZE)), f"epoch {epoch}: samples left out"
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_set_epoch_changes_the_order_and_the_same_epoch_repeats_it(world_size):
-    assert shards(world_size, epoch=0) == shards(world_size, epoch=0)
-    assert shards(world_size, epoch=0) != shards(world_size, epoch=1)
+def test_set_epoch_gives_every_epoch_a_new_order_also_after_a_resume(torchrun_jobs):
+    """Epochs 2 and 3 ran in a new job that resumed from the snapshot: the order depends on the epoch alone."""
+    epochs = by_epoch(torchrun_jobs["first"].samples + torchrun_jobs["resumed"].samples)
+    for rank in (0, 1):
+        orders = [tuple(epochs[epoch][rank]) for epoch in sorted(epochs)]
+        assert len(set(orders)) == len(orders), f"rank {rank} repeated an epoch's order"
 
 
-def test_without_set_epoch_every_epoch_has_the_same_order():
-    """The classic bug: forget sampler.set_epoch(epoch) and each epoch replays epoch 0's order."""
-    sampler = DistributedSampler(DATASET, num_replicas=2, rank=0)
-    assert list(sampler) == list(sampler)
+def test_three_ranks_split_2048_samples_with_one_padded_repeat(tmp_path):
+    """2048 = 3 x 682 + 2: DistributedSampler pads the shuffled list with its first index to 2049, so each of the 3
+    ranks gets 683 samples and one sample is trained on twice an epoch (drop_last=True would drop the tail)."""
+    job = run(python("multigpu.py", 1, 1, "--world_size", 3), cwd=tmp_path, record=True)
+    [shares] = by_epoch(job.samples).values()
+    assert sorted(shares) == [0, 1, 2]
+    assert [len(indices) for indices in shares.values()] == [683] * 3
+    seen = [index for indices in shares.values() for index in indices]
+    assert set(seen) == set(range(DATASET_SIZE))
+    assert len(seen) - len(set(seen)) == 1, "only the padding repeats"
+    assert sum(len(set(a) & set(b)) for a, b in combinations(shares.values(), 2)) == 1

@@ -5,8 +5,9 @@ link, as on a cluster. The commands are the ones `make two-hosts` prints (tools/
 """
 import pytest
 
-from support import finish, job_env, namespaces_unavailable, network_namespaces, read_log, recorded_writes, start
-from test_steps import assert_learned, assert_one_writer
+from expect import assert_learned, assert_one_writer
+from tools.jobs import run
+from tools.netns import namespaces_unavailable, network_namespaces
 from tools.two_hosts import node_command
 
 pytestmark = pytest.mark.slow
@@ -22,31 +23,25 @@ def hosts():
         yield hosts
 
 
-def run_nodes(hosts, tmp_path, *script_args, limit, audit=None, **options):
-    """Start one node per host (host 0 is the head), wait for all (bounded); return exit codes and the logs."""
-    nodes = [start(node_command(host, hosts[0], *script_args, **options), cwd=tmp_path,
-                   env=job_env(audit_file=audit), log=tmp_path / f"{host.name}.log") for host in hosts]
-    codes = finish(nodes, timeout=limit)
-    return codes, [read_log(tmp_path / f"{host.name}.log") for host in hosts]
+def run_nodes(hosts, tmp_path, *script_args, limit, **options):
+    """One node per host (host 0 is the head), in one folder, bounded; the finished job."""
+    return run(*[node_command(host, hosts[0], *script_args, **options) for host in hosts], cwd=tmp_path,
+               timeout=limit, check=False, record=True)
 
 
 def test_two_hosts_train_over_their_own_addresses_with_one_writer(hosts, tmp_path):
-    audit = tmp_path / "writes.tsv"
-    codes, logs = run_nodes(hosts, tmp_path, EPOCHS, 2, "--timeout", 20, limit=120, audit=audit)
-    assert codes == [0, 0], "\n".join(logs)
-    reporting = [log for log in logs if "epoch" in log]
-    assert len(reporting) == 1 and "[rank 0/2 |" in reporting[0], "only global rank 0, on one of the hosts, reports"
-    assert_learned(reporting[0])
-    assert_one_writer(audit, tmp_path / "snapshot.pt")  # the folder both hosts use plays the shared file system
-    assert {rank for _, rank, _ in recorded_writes(audit)} == {0}
+    job = run_nodes(hosts, tmp_path, EPOCHS, 2, "--timeout", 20, limit=120)
+    assert job.codes == [0, 0], job.output
+    reporting = [node for node in range(2) if "epoch" in job.node_output(node)]
+    assert len(reporting) == 1 and "[rank 0/2 |" in job.node_output(reporting[0]), "only global rank 0 reports"
+    assert_learned(job.node_output(reporting[0]), EPOCHS)
+    assert_one_writer(job.writes, tmp_path / "snapshot.pt")  # the folder both hosts use plays the shared file system
 
 
 def test_without_gloo_socket_ifname_the_job_fails_fast_and_says_why(hosts, tmp_path):
     # Without the interface, gloo binds to the address the hostname resolves to (127.0.0.1 here) and tells the
     # other node to connect there: on another host that is its own loopback, so "Connection refused".
-    timeout = 4
-    codes, logs = run_nodes(hosts, tmp_path, EPOCHS, 2, "--timeout", timeout, limit=60, set_ifname=False)
-    output = "\n".join(logs)
-    assert None not in codes, f"a node was still running after 60 s:\n{output[-3000:]}"
-    assert all(code != 0 for code in codes), output[-3000:]
-    assert "Connection refused" in output and "remote=[127.0.0.1]" in output, output[-3000:]
+    job = run_nodes(hosts, tmp_path, EPOCHS, 2, "--timeout", 4, limit=60, set_ifname=False)
+    assert None not in job.codes, f"a node was still running after 60 s:\n{job.output[-3000:]}"
+    assert all(code != 0 for code in job.codes), job.output[-3000:]
+    assert "Connection refused" in job.output and "remote=[127.0.0.1]" in job.output, job.output[-3000:]

@@ -1,0 +1,28 @@
+"""What a correct run of a step shows: assertions that several test files make about a finished job."""
+import torch
+
+from tools.jobs import output
+from utils import make_workload
+
+
+def assert_learned(text, epochs):
+    """Every epoch reported once, and the loss of the last below half the first's."""
+    losses = output.epoch_losses(text)
+    assert sorted(losses) == list(range(epochs)), text
+    assert losses[epochs - 1] < 0.5 * losses[0], f"the loss did not fall: {losses}"
+
+
+def assert_one_writer(writes, expected_path):
+    """Exactly one process wrote files, it was rank 0 (or the only process), and it wrote `expected_path` (through
+    its .tmp file, renamed when complete)."""
+    assert writes, "nothing was saved"
+    writers = {(pid, rank) for pid, rank, _ in writes}
+    assert len(writers) == 1, f"more than one process wrote: {writers}"
+    assert {rank for _, rank in writers} <= {0, None}, f"the writer is not rank 0: {writers}"
+    assert {path for _, _, path in writes} <= {str(expected_path), f"{expected_path}.tmp"}, writes
+
+
+def assert_loads_into_fresh_model(path, key=None, workload="synthetic"):
+    """The file holds a plain model's state_dict (under `key` in a snapshot) that loads into a new model."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    make_workload(workload).model.load_state_dict(state[key] if key else state)  # raises on a wrong tensor
