@@ -5,55 +5,39 @@
     python exercises/check.py 3 my_nodes.py      # 3. two nodes: one writer, and every node resumes alike
 
 It prints what is missing or wrong, in the exercise's terms, and exits 0 only when everything is right. What the
-processes did (the samples each rank trained on, who saved which file) is recorded by tests/audit/sitecustomize.py,
-the same recorder the repository's own tests use.
+processes did (the samples each rank trained on, who saved which file) is recorded by tools/jobs, the same job
+runner the repository's tests use.
 """
 import argparse
 import itertools
-import os
 import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(REPO))  # run as `python exercises/check.py` from anywhere
 
 import torch  # noqa: E402
 
-from support import (PYTHON, epoch_losses, finish, free_port, job_env, recorded_samples,  # noqa: E402
-                     recorded_writes, start, torchrun, torchrun_node)
-from utils import make_workload  # noqa: E402
+from tools.jobs import FRESH_STORE, PYTHON, run, shown, torchrun, torchrun_node  # noqa: E402
+from tools.jobs.output import epoch_losses  # noqa: E402
+from utils import free_port, make_workload  # noqa: E402
 
 EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes"}
 WORLD_SIZE = 2
 COLLECTIVE_TIMEOUT_S = 60  # passed as --timeout: a stuck collective fails instead of hanging forever (slow starts pass)
 KILLED_EPOCH = 2  # exercise 2 kills rank 1 as it begins this epoch
-# torch >= 2.5: restarted workers meet in the store the killed ones used, whose stale addresses can stall them; a
-# store per attempt avoids that
-FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def launch(commands, workdirs, record_dir, timeout, kill_at=None, extra_env=None):
-    """Run one command per node, each in its directory, until all end or `timeout` s pass (then kill them all)."""
-    record_dir.mkdir(parents=True, exist_ok=True)
-    env = job_env(extra_env, audit_file=record_dir / "writes.tsv", samples_file=record_dir / "samples.jsonl",
-                  kill_at=kill_at)
-    env["PYTHONPATH"] += os.pathsep + str(REPO)  # `from utils import ...` works wherever the script lives
-    logs = [record_dir / f"node{n}.log" for n in range(len(commands))]
-    codes = finish([start(cmd, cwd=cwd, env=env, log=log) for cmd, cwd, log in zip(commands, workdirs, logs)],
-                   timeout)  # None: still running at the deadline, then killed
-    hung = None in codes
-    return SimpleNamespace(codes=codes, hung=hung, timeout=timeout,
-                           output="".join(log.read_text() for log in logs),
-                           samples=recorded_samples(record_dir / "samples.jsonl"),
-                           writes=recorded_writes(record_dir / "writes.tsv"))
-
-
-def shown(cmd):
-    return " ".join(Path(part).name if part == PYTHON else str(part) for part in cmd)
+    """Run one command per node, each in its directory, until all end or `timeout` s pass (then kill them all);
+    the finished job, with what it recorded."""
+    job = run(*commands, cwd=workdirs, logs=record_dir, record=True, kill_at=kill_at, env=extra_env,
+              timeout=timeout, check=False)
+    job.limit = timeout
+    return job
 
 
 def ranks_of(rows):
@@ -68,8 +52,8 @@ def listed(numbers):
 # Each *_problems function returns a list of sentences, empty when all is well.
 
 def exit_problems(job):
-    if job.hung:
-        return [f"it did not finish within {job.timeout} s and was stopped: a rank is probably waiting in a "
+    if job.timed_out:
+        return [f"it did not finish within {job.limit} s and was stopped: a rank is probably waiting in a "
                 "collective (init_process_group, all_reduce, barrier) that another rank never reaches, such as a "
                 "barrier inside `if rank == 0:`, or ranks that run a different number of epochs"]
     failed = [code for code in job.codes if code != 0]
@@ -241,11 +225,11 @@ def check_resume(script, workdir, say):
     job = launch([cmd], [workdir], workdir / "records", timeout=120, kill_at=(0, 1, KILLED_EPOCH),
                  extra_env=FRESH_STORE)
     restarted = [row for row in job.samples if row["restart"] >= 1 and row["rank"] == 0]
-    if not job.hung and not restarted and not any(row["restart"] == 0 and row["number"] >= KILLED_EPOCH - 1
+    if not job.timed_out and not restarted and not any(row["restart"] == 0 and row["number"] >= KILLED_EPOCH - 1
                                                   for row in job.samples):
         return exit_problems(job) or [f"the job ended before epoch {KILLED_EPOCH}, so it was never killed"]
     problems = training_problems(job, workdir, epochs)
-    if job.hung or any(code != 0 for code in job.codes):
+    if not job.ok:
         return problems
     resumed_at = [row["epoch"] for row in restarted]
     if not restarted:
@@ -295,15 +279,15 @@ def check_two_nodes(script, workdir, say):
                              for row in job.samples if row["rank"] == rank) for rank in ranks_of(job.samples)}
     if len(set(first_epoch.values())) > 1:
         starts = "; ".join(f"rank {rank} began at epoch {epoch}" for rank, epoch in first_epoch.items())
-        ended = ("it hung until stopped" if job.hung else "it finished as if all was well" if job.codes == [0, 0]
+        ended = ("it hung until stopped" if job.timed_out else "it finished as if all was well" if job.codes == [0, 0]
                  else "it crashed once their collectives no longer matched")
         return [f"the nodes trained out of step: {starts} (each node read its own disk), and {ended}. Before "
                 "training, check that every rank resumes from the same epoch (all_reduce it) and stop with an "
                 "error that says to put --snapshot_path on storage every node shares"]
     if first_epoch:
         return exit_problems(job)  # every rank resumed from the same epoch (e.g. rank 0's snapshot was shared)
-    if job.hung:
-        return [f"it hung for {job.timeout} s instead of stopping with an error when the nodes' snapshots differ"]
+    if job.timed_out:
+        return [f"it hung for {job.limit} s instead of stopping with an error when the nodes' snapshots differ"]
     if job.codes == [0, 0]:
         return ["it exited 0 without training when the nodes' snapshots differ: stop with an error instead"]
     errors = [line for line in job.output.splitlines() if line.startswith("error")]

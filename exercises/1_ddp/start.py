@@ -2,21 +2,29 @@
 
 It runs as it is, in one process. Work on a copy and follow the TODOs; check it with
     python exercises/check.py 1 my_ddp.py
-It must run as `python my_ddp.py 3 1 --world_size 2` (the options are already there).
+It must run as `python my_ddp.py 3 1 --world_size 2` (the options and the imports are already there).
 """
 import argparse
+import os
 import time
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
 
-from utils import WORKLOADS, evaluate, make_workload, positive_int
+from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
+                   free_port, log_rank_metrics, require_a_gpu_each)
 
 # TODO 1: ddp_setup(rank, world_size, timeout_s): init_process_group (gloo on CPU, nccl on GPU) with a timeout
 
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, loss_fn, device, save_every):
+        # TODO 2: remember this process's rank (dist.get_rank())
         self.device = device
         self.model = model.to(device)
         self.train_data = train_data
@@ -41,21 +49,22 @@ class Trainer:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
-        # TODO 5: sum totals over the ranks, and let only rank 0 print
+        log_rank_metrics(epoch, len(self.train_data), totals, start)  # this rank's own totals, not summed over ranks
+        # TODO 5: sum the totals over the ranks, so that the loss below is every rank's mean
         mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
-        print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
+        print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "  # TODO 5: rank 0
               f"{samples_per_s:,.0f} samples/s")
 
     def _save_checkpoint(self, epoch):
-        torch.save(self.model.state_dict(), "checkpoint.pt")  # TODO 6: the model inside DDP; one writer
+        torch.save(self.model.state_dict(), "checkpoint.pt")  # TODO 6: the model inside DDP
         print(f"{self.tag} epoch {epoch} | checkpoint saved to checkpoint.pt")
 
     def train(self, max_epochs):
         for epoch in range(max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                self._save_checkpoint(epoch)
+                self._save_checkpoint(epoch)  # TODO 6: one writer is enough
 
 
 def load_train_objs(workload_name):
@@ -63,20 +72,21 @@ def load_train_objs(workload_name):
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
-    # TODO 7: each rank must get its own share of the data
-    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=True)
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=True)  # TODO 7:
+    # each rank must get its own share of the data
 
 
 def main(args):  # TODO 8: main(rank, world_size, args): join the group first, leave it (destroy) last
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"Training on {device}" + ("" if device.type == "cuda" else " (no CUDA device found)"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # TODO 8: this process's own GPU
+    print(f"Training on {device}" + ("" if device.type == "cuda" else " (no CUDA device found)"))  # TODO 8: share
+    # the cores instead (configure_cpu_threads); __main__ says how many processes run where
     workload = load_train_objs(args.workload)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
                       args.save_every)
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
-    print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
+    print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")  # TODO 8: rank 0 prints it
 
 
 if __name__ == "__main__":
@@ -89,5 +99,5 @@ if __name__ == "__main__":
     parser.add_argument("--world_size", type=positive_int, help="Processes (default: every GPU, or 2 on CPU)")
     args = parser.parse_args()
 
-    # TODO 9: MASTER_ADDR and a free MASTER_PORT, then mp.spawn(main, ...) with world_size processes
+    # TODO 9: world_size processes (one GPU each), MASTER_ADDR and a free MASTER_PORT, then mp.spawn(main, ...)
     main(args)

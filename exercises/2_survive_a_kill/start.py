@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
-                   require_torchrun)
+                   log_rank_metrics, require_torchrun)
 
 
 def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
@@ -29,7 +29,7 @@ def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MAST
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, loss_fn, device, save_every):
+    def __init__(self, model, train_data, optimizer, loss_fn, device, save_every):  # TODO 1: + snapshot_path
         self.rank = dist.get_rank()
         self.device = device
         self.model = model.to(device)
@@ -59,6 +59,7 @@ class Trainer:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
+        log_rank_metrics(epoch, len(self.train_data), totals, start)  # this rank's own totals, not summed over ranks
         dist.all_reduce(totals)  # summed over ranks (gloo has no AVG): the loss below is every rank's mean
         mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
@@ -75,7 +76,7 @@ class Trainer:
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 if self.rank == 0:  # the replicas are identical: one writer is enough
-                    self._save_checkpoint(epoch)
+                    self._save_checkpoint(epoch)  # TODO 3: then every rank waits until it is on disk
 
 
 def load_train_objs(workload_name):
@@ -94,7 +95,7 @@ def main(args):
     workload = load_train_objs(args.workload)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
-                      args.save_every)
+                      args.save_every)  # TODO 1: and the snapshot path
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
     if trainer.rank == 0:

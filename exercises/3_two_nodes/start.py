@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
-                   require_torchrun)
+                   log_rank_metrics, require_torchrun)
 
 
 def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
@@ -72,10 +72,11 @@ class Trainer:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
+        log_rank_metrics(epoch, len(self.train_data), totals, start)  # this rank's own totals, not summed over ranks
         dist.all_reduce(totals)  # summed over ranks (gloo has no AVG): the loss below is every rank's mean
         mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
-        if self.rank == 0:
+        if self.rank == 0:  # TODO 1
             print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
                   f"{samples_per_s:,.0f} samples/s")
 
@@ -107,14 +108,14 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 def main(args):
     ddp_setup(args.timeout)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(dist.get_world_size())  # every process of the job shares this machine's cores
+    configure_cpu_threads(dist.get_world_size())  # TODO 5: only the processes of this node share its cores
     workload = load_train_objs(args.workload)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
                       args.save_every, args.snapshot_path)
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
-    if trainer.rank == 0:
+    if trainer.rank == 0:  # TODO 1
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
     dist.destroy_process_group()
     exit_without_teardown()  # a gloo thread may still hold tensors: see utils
@@ -130,5 +131,5 @@ if __name__ == "__main__":
     parser.add_argument("--snapshot_path", default="snapshot.pt", help="Where to save and resume from")
     args = parser.parse_args()
 
-    require_torchrun()  # TODO 5: show the multi-node torchrun command in the error
+    require_torchrun()  # TODO 6: show the multi-node torchrun command in the error
     main(args)
