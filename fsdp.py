@@ -31,14 +31,14 @@ def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MAST
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, loss_fn, device, save_every, snapshot_path, fsdp, verbose):
+    def __init__(self, model, train_data, make_optimizer, loss_fn, device, save_every, snapshot_path, fsdp, verbose):
         self.local_rank = int(os.environ["LOCAL_RANK"])  # its number on this node: picks the GPU
         self.global_rank = int(os.environ["RANK"])  # its number in the whole job: logs, and the one writer
         self.device = device
         self.model = model.to(device)
         for module in [*model.children(), model] if fsdp else []:  # each block, then the root: a block's full
             fully_shard(module, **fsdp)  # weights exist only while it runs; its parameters become 1/N shards
-        optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)  # a new one, on the sharded parameters
+        optimizer = make_optimizer(model)  # after fully_shard: over the sharded parameters that replaced the full ones
         self.train_data = train_data
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -132,7 +132,7 @@ def main(args):
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only the processes of this node share its cores
     workload = load_train_objs(args.workload)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
-    trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
+    trainer = Trainer(workload.model, train_data, workload.make_optimizer, workload.loss_fn, device,
                       args.save_every, args.snapshot_path, fsdp if args.strategy == "fsdp" else None, args.verbose)
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)

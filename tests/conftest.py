@@ -3,16 +3,12 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip cleanly without CUDA. With parallel workers (pytest-xdist, `--dist loadgroup`), each test file
-    runs whole on one worker, so its module-scoped runs start once; so does each notebook, whose cells share one
-    kernel; the files that read the shared torchrun runs (torchrun_jobs) form one group, so those start once too."""
-    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA: no GPU on this machine")
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: no GPU on this machine")
     for item in items:
-        if skip and "gpu" in item.keywords:
+        if "gpu" in item.keywords:
             item.add_marker(skip)
-        shares = "torchrun_jobs" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("torchrun_jobs" if shares else item.nodeid.split("::")[0]))
-
 
 @pytest.fixture(scope="session")
 def torchrun_jobs(tmp_path_factory):

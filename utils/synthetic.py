@@ -28,7 +28,8 @@ def synthetic(seed):
     torch.manual_seed(seed)  # same initial weights in every process (DDP would broadcast rank 0's anyway)
     n_features = train_set.tensors[0].shape[1]
     model = nn.Sequential(nn.Linear(n_features, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    return Workload(train_set, eval_set, model, torch.optim.Adam(model.parameters(), lr=3e-3), nn.MSELoss())
+    return Workload(train_set, eval_set, model, lambda model: torch.optim.Adam(model.parameters(), lr=3e-3),
+                    nn.MSELoss())
 
 
 class ResidualBlock(nn.Module):
@@ -52,4 +53,5 @@ def wide(seed, width=512, blocks=4):
     model = nn.Sequential(nn.Linear(n_features, width), *[ResidualBlock(width) for _ in range(blocks)],
                           nn.Linear(width, 1))
     nn.init.zeros_(model[-1].weight)  # starts as a constant: the residual stack cannot blow the first loss up
-    return Workload(train_set, eval_set, model, torch.optim.Adam(model.parameters(), lr=1e-3), nn.MSELoss())
+    return Workload(train_set, eval_set, model, lambda model: torch.optim.Adam(model.parameters(), lr=1e-3),
+                    nn.MSELoss())

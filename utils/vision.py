@@ -38,8 +38,8 @@ def small_cnn(in_channels, num_classes):
 
 
 def _classification(train_set, eval_set, model, lr):
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    return Workload(train_set, eval_set, model, optimizer, nn.CrossEntropyLoss(), classification=True)
+    return Workload(train_set, eval_set, model, lambda model: torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+                    nn.CrossEntropyLoss(), classification=True)
 
 
 def _as_tensors(images, labels, mean, std):

@@ -1,5 +1,5 @@
 """What a step trains: the `Workload` every builder returns, and the held-out evaluation every step ends with."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -15,9 +15,13 @@ class Workload:
     train_set: Dataset
     eval_set: Dataset
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]  # the optimizer of a model, with its settings
     loss_fn: Callable
     classification: bool = False  # evaluate() also reports accuracy when True
+    optimizer: torch.optim.Optimizer = field(init=False)  # make_optimizer(model); fsdp.py makes its own after sharding
+
+    def __post_init__(self):
+        self.optimizer = self.make_optimizer(self.model)
 
 
 class Metrics(dict):
