@@ -1,55 +1,69 @@
 """The benchmarks run end to end with tiny settings and report what they promise (the figures themselves are the
 benchmarks' business, not the tests')."""
+import os
 import re
 import runpy
 
-from tools.jobs import REPO, python, run
+import pytest
+
+from tools.jobs import REPO
 
 
-def test_scaling_prints_a_table_against_the_ceiling_and_draws_it(tmp_path):
+def run_benchmark(monkeypatch, capsys, name, *args):
+    """A benchmark's __main__ in this process (its jobs and workers are real processes: this saves one interpreter
+    start); what it printed. The variables it sets for its workers (MASTER_PORT...) are undone afterwards."""
+    monkeypatch.setattr("sys.argv", [name, *map(str, args)])
+    environment = dict(os.environ)
+    try:
+        runpy.run_path(str(REPO / "benchmarks" / name), run_name="__main__")
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    return capsys.readouterr().out
+
+
+def test_scaling_prints_a_table_against_the_ceiling_and_draws_it(tmp_path, monkeypatch, capsys):
     plot = tmp_path / "scaling.png"
-    job = run(python("benchmarks/scaling.py", "--devices", "cpu", "--max_procs", 2, "--rounds", 1,
-                     "--workload", "synthetic", "--plot", plot), cwd=tmp_path, timeout=180)
+    text = run_benchmark(monkeypatch, capsys, "scaling.py", "--devices", "cpu", "--max_procs", 2, "--rounds", 1,
+                         "--workload", "synthetic", "--plot", plot)
     rows = re.findall(r"^\| (\d) \| [\d,]+ \| ([\d.]+)x \| ([\d.]+) \| [\d,]+ \| ([\d.]+)x \| ([\d.]+) \| [\d.]+x \|$",
-                      job.output, re.M)
-    assert [row[0] for row in rows] == ["1", "2"], job.output
+                      text, re.M)
+    assert [row[0] for row in rows] == ["1", "2"], text
     assert rows[0][1:] == ("1.00", "1.00", "1.00", "1.00")  # one process is the yardstick
-    assert re.search(r"cpu: 2 processes reach [\d.]+x of one with DDP, [\d.]+ of the [\d.]+x", job.output)
+    assert re.search(r"cpu: 2 processes reach [\d.]+x of one with DDP, [\d.]+ of the [\d.]+x", text)
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
 def test_overhead_compares_the_trainer_with_a_bare_loop(monkeypatch, capsys):
-    monkeypatch.setattr("sys.argv", ["overhead.py", "--workloads", "synthetic", "--rounds", "2",
-                                     "--min_seconds", "0"])
-    runpy.run_path(str(REPO / "benchmarks" / "overhead.py"), run_name="__main__")
-    output = capsys.readouterr().out
+    output = run_benchmark(monkeypatch, capsys, "overhead.py", "--workloads", "synthetic", "--rounds", 2,
+                           "--min_seconds", 0)
     assert re.search(r"^\| synthetic \| 64 \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", output, re.M), output
     assert re.search(r"worst ratio [\d.]+x \(goal <= 1.10x\): (met|NOT met)", output)
 
 
-def test_recovery_times_a_kill_against_a_cold_start(tmp_path):
-    job = run(python("benchmarks/recovery.py", "--epochs", 6, "--save_every", 2, "--kill_after", 3), cwd=tmp_path,
-              timeout=180)
-    assert re.search(r"rank 1 \(pid \d+\) SIGKILLed after epoch 3", job.output), job.output
+def test_recovery_times_a_kill_against_a_cold_start(monkeypatch, capsys):
+    text = run_benchmark(monkeypatch, capsys, "recovery.py", "--epochs", 6, "--save_every", 2, "--kill_after", 3)
+    assert re.search(r"rank 1 \(pid \d+\) SIGKILLed after epoch 3", text), text
     for label in ("cold start   launch -> first training step", "recovery     kill -> snapshot loaded",
                   "ratio        recovery / cold start"):
-        assert re.search(rf"^{re.escape(label)}.*? [\d.]+", job.output, re.M), job.output
+        assert re.search(rf"^{re.escape(label)}.*? [\d.]+", text, re.M), text
     # snapshots after epochs 1, 3, 5: the kill after epoch 3's line lands before or after the one of epoch 3
     lost = re.search(r"work lost    (\d+) finished epoch\(s\) since the snapshot of epoch (\d)( \(epochs (\d)-(\d)\))? "
-                     r"plus the one in progress", job.output)
-    assert lost, job.output
+                     r"plus the one in progress", text)
+    assert lost, text
     redone, snapshot = int(lost[1]), int(lost[2])
-    assert snapshot in (1, 3), job.output
+    assert snapshot in (1, 3), text
     if redone:  # the epochs after that snapshot that finished before the kill: they are trained again
-        assert int(lost[4]) == snapshot + 1 and redone == int(lost[5]) - int(lost[4]) + 1, job.output
+        assert int(lost[4]) == snapshot + 1 and redone == int(lost[5]) - int(lost[4]) + 1, text
     else:
-        assert lost[3] is None, job.output
+        assert lost[3] is None, text
 
 
-def test_dataparallel_against_ddp_says_what_it_compares_on_a_cpu(tmp_path):
-    job = run(python("benchmarks/dataparallel_vs_ddp.py", "--workload", "synthetic", "--steps", 8, "--warmup", 2,
-                     "--batch_size", 64), cwd=tmp_path, timeout=180)
-    assert "No CUDA device: DataParallel does nothing here" in job.output, job.output
-    assert re.search(r"one process \(DataParallel is a no-op without CUDA\) +[\d,]+ samples/s", job.output)
-    assert re.search(r"DDP, 2 processes +[\d,]+ samples/s", job.output)
-    assert re.search(r"DDP / one process: [\d.]+x", job.output)
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks what it says on a machine without CUDA")
+def test_dataparallel_against_ddp_says_what_it_compares_on_a_cpu(monkeypatch, capsys):
+    text = run_benchmark(monkeypatch, capsys, "dataparallel_vs_ddp.py", "--workload", "synthetic", "--steps", 8,
+                         "--warmup", 2, "--batch_size", 64)
+    assert "No CUDA device: DataParallel does nothing here" in text, text
+    assert re.search(r"one process \(DataParallel is a no-op without CUDA\) +[\d,]+ samples/s", text)
+    assert re.search(r"DDP, 2 processes +[\d,]+ samples/s", text)
+    assert re.search(r"DDP / one process: [\d.]+x", text)

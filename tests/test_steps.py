@@ -1,65 +1,206 @@
-"""Each step script, run the way a user runs it: it exits 0, the loss falls, exactly one process writes the
-checkpoint, the file loads into a fresh model, and a rerun resumes where the last one stopped."""
-import shutil
+"""Every step, run the way a learner first runs it: by `make demo` (tools/demo.py), with the job runner's recorder
+on. Each exits 0, its loss falls, exactly one process writes its file, the file loads into a fresh model, and the
+demo sums the losses up and narrates a worker killed and the job resuming. Then what runs of the steps show: the
+samples each rank really trained on, the per-rank metrics, a rerun that resumes where the last one stopped, and nodes
+that refuse to train out of step.
 
+The runs are started once for this module (each a few seconds of CPU, most of it `import torch`)."""
+import contextlib
+import functools
+import io
+import re
+import shutil
+from itertools import combinations
+
+import pytest
 import torch
 
+import tools.demo as demo
 from expect import assert_learned, assert_loads_into_fresh_model, assert_one_writer
-from tools.jobs import output, python, run, start, torchrun_node
+from tools import plot_metrics
+from tools.jobs import output, python, run, start, torchrun, torchrun_node
 from utils import free_port
 
-EPOCHS = 4
+EPOCHS, SAVE_EVERY = 4, 2
+DATASET_SIZE = 2048  # the synthetic workload's training set
 
 
-def test_single_gpu_trains_on_the_cpu_and_saves_a_checkpoint(tmp_path):
-    job = run(python("single_gpu.py", EPOCHS, 2), cwd=tmp_path, record=True)
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """`make demo` with 4 epochs per step, every job recorded: {script: job}, the fault demo's job, the printout, and
+    the folder the steps ran in."""
+    printed, run_dir = io.StringIO(), tmp_path_factory.mktemp("demo")
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(demo, "RUN_DIR", run_dir)
+        patch.setattr(demo, "EPOCHS", EPOCHS)
+        patch.setattr(demo, "SAVE_EVERY", SAVE_EVERY)
+        patch.setattr(demo, "run", functools.partial(run, record=True))
+        patch.setattr("sys.argv", ["demo.py", "--timeout", "120"])
+        jobs, fault = demo.main()
+    return dict(jobs=jobs, fault=fault, printed=printed.getvalue(), run_dir=run_dir)
+
+
+@pytest.fixture(scope="module")
+def torchrun_jobs(tmp_path_factory):
+    """multigpu_torchrun.py run twice in one folder: 2 epochs (a snapshot after each), then the same command for 4
+    epochs, which resumes. Per-rank metrics on (runs/), every torch.save and every rank's samples recorded."""
+    workdir = tmp_path_factory.mktemp("torchrun")
+    env = {"TUTORIAL_RUN_DIR": workdir / "runs"}
+    first = run(torchrun("multigpu_torchrun.py", 2, 1), cwd=workdir, env=env, record=True, logs=workdir / "first")
+    resumed = run(torchrun("multigpu_torchrun.py", 4, 1), cwd=workdir, env=env, record=True,
+                  logs=workdir / "resumed")
+    return dict(workdir=workdir, first=first, resumed=resumed)
+
+
+# --- every step, as `make demo` runs it ------------------------------------------------------------------------------
+
+def test_single_gpu_trains_on_the_cpu_and_saves_a_checkpoint(demo_run):
+    job = demo_run["jobs"]["single_gpu.py"]
     assert job.output.startswith("Training on cpu (no CUDA device found)\n"), job.output
     assert_learned(job.output, EPOCHS)
     assert output.held_out(job.output)["samples"] == 512
-    assert_one_writer(job.writes, tmp_path / "checkpoint.pt")
-    assert_loads_into_fresh_model(tmp_path / "checkpoint.pt")
+    assert_one_writer(job.writes, demo_run["run_dir"] / "checkpoint.pt")
+    assert_loads_into_fresh_model(demo_run["run_dir"] / "checkpoint.pt")
 
 
-def test_multigpu_spawns_two_gloo_processes_with_one_writer(tmp_path):
-    job = run(python("multigpu.py", EPOCHS, 2, "--world_size", 2), cwd=tmp_path, record=True)
+def test_multigpu_spawns_two_gloo_processes_with_one_writer(demo_run):
+    job = demo_run["jobs"]["multigpu.py"]
     assert job.output.startswith("2 processes on gloo (no CUDA)\n"), job.output
     assert {match["rank"] for match in output.EPOCH.finditer(job.output)} == {"0"}, "only rank 0 reports"
-    assert "[rank 0/2 | cpu] epoch 0 |" in job.output
     assert_learned(job.output, EPOCHS)
     assert sorted({row["rank"] for row in job.samples}) == [0, 1], "two ranks trained"
-    assert_one_writer(job.writes, tmp_path / "checkpoint.pt")
-    assert_loads_into_fresh_model(tmp_path / "checkpoint.pt")
+    assert_one_writer(job.writes, demo_run["run_dir"] / "checkpoint.pt")
+    assert_loads_into_fresh_model(demo_run["run_dir"] / "checkpoint.pt")
 
 
-def test_torchrun_step_trains_and_snapshots_with_one_writer(torchrun_jobs):
-    first, workdir = torchrun_jobs["first"], torchrun_jobs["workdir"]
-    assert_learned(first.output, 2)
-    assert "[rank 0/2 | cpu] epoch 1 | snapshot saved to snapshot.pt" in first.output
-    assert_one_writer(first.writes, workdir / "snapshot.pt")
-    assert not (workdir / "snapshot.pt.tmp").exists()
-    assert_loads_into_fresh_model(workdir / "snapshot.pt", key="MODEL_STATE")
+def test_torchrun_step_trains_and_snapshots_with_one_writer(demo_run):
+    job = demo_run["jobs"]["multigpu_torchrun.py"]
+    assert_learned(job.output, EPOCHS)
+    assert "[rank 0/2 | cpu] epoch 1 | snapshot saved to snapshot.pt" in job.output
+    assert_one_writer(job.writes, demo_run["run_dir"] / "snapshot.pt")
+    assert_loads_into_fresh_model(demo_run["run_dir"] / "snapshot.pt", key="MODEL_STATE")
 
+
+def test_multinode_runs_as_two_nodes_on_localhost_with_one_writer(demo_run):
+    job = demo_run["jobs"]["multinode.py"]
+    assert_learned(job.output, EPOCHS)
+    reporting = [node for node in range(2) if "epoch 0 |" in job.node_output(node)]
+    assert len(reporting) == 1, "only global rank 0, on one of the nodes, reports"
+    assert "[rank 0/2 | local 0 | cpu] epoch 0 |" in job.output
+    assert sorted({row["rank"] for row in job.samples}) == [0, 1]
+    assert_one_writer(job.writes, demo_run["run_dir"] / "snapshot.pt")  # step 3's was removed before this job
+    assert_loads_into_fresh_model(demo_run["run_dir"] / "snapshot.pt", key="MODEL_STATE")
+
+
+def test_fsdp_trains_with_every_rank_writing_its_shards_and_rank_0_the_full_model(demo_run):
+    job = demo_run["jobs"]["fsdp.py"]
+    assert_learned(job.output, EPOCHS)
+    assert "[rank 0/2 | local 0 | cpu] epoch 3 | snapshot saved to snapshot" in job.output
+    assert sorted(path.name for path in (demo_run["run_dir"] / "snapshot").iterdir()) == \
+        [".metadata", "__0_0.distcp", "__1_0.distcp"], "every rank wrote its shards"
+    assert [rank for _, rank, _ in job.writes] == [0], "torch.save only for the gathered model, once, by rank 0"
+    assert_loads_into_fresh_model(demo_run["run_dir"] / "model_full.pt")
+
+
+def test_the_demo_sums_up_every_step_and_narrates_the_fault(demo_run):
+    fault, summary = demo_run["fault"], demo_run["printed"].split("=== Summary")[1]
+    for step in ("single_gpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py"):
+        falls = re.search(rf"^{re.escape(step)} +loss ([\d.]+) \(epoch 0\) -> ([\d.]+) \(epoch 3\)$", summary, re.M)
+        assert falls and float(falls[2]) < 0.5 * float(falls[1]), summary
+    assert fault.ok, fault.output
+    assert re.search(r">>> SIGKILL -> rank 1 \(pid \d+\), from outside, after epoch 4", fault.output), fault.output
+    assert "torchrun: failed (exitcode: -9) local_rank: 1" in fault.output
+    assert re.search(r">>> rank \d reloaded the snapshot: resuming from epoch 4 \(restart 1\)", fault.output)
+    assert ">>> the job finished (exit 0): 8 epochs in all, one worker killed on the way" in fault.output
+
+
+# --- what each rank trained on ---------------------------------------------------------------------------------------
+
+def by_epoch(samples):
+    """{epoch: {rank: indices}} of a recorded job."""
+    epochs = {}
+    for row in samples:
+        epochs.setdefault(row["epoch"], {})[row["rank"]] = row["indices"]
+    return epochs
+
+
+def test_two_ranks_train_on_disjoint_halves_that_cover_the_data_every_epoch(torchrun_jobs):
+    epochs = by_epoch(torchrun_jobs["first"].samples + torchrun_jobs["resumed"].samples)
+    assert sorted(epochs) == [0, 1, 2, 3]
+    for epoch, shares in epochs.items():
+        assert sorted(shares) == [0, 1]
+        assert [len(indices) for indices in shares.values()] == [DATASET_SIZE // 2] * 2, epoch
+        assert not set(shares[0]) & set(shares[1]), f"epoch {epoch}: a sample trained on by both ranks"
+        assert set(shares[0]) | set(shares[1]) == set(range(DATASET_SIZE)), f"epoch {epoch}: samples left out"
+
+
+def test_set_epoch_gives_every_epoch_a_new_order_also_after_a_resume(torchrun_jobs):
+    """Epochs 2 and 3 ran in a new job that resumed from the snapshot: the order depends on the epoch alone."""
+    epochs = by_epoch(torchrun_jobs["first"].samples + torchrun_jobs["resumed"].samples)
+    for rank in (0, 1):
+        orders = [tuple(epochs[epoch][rank]) for epoch in sorted(epochs)]
+        assert len(set(orders)) == len(orders), f"rank {rank} repeated an epoch's order"
+
+
+def test_three_ranks_split_2048_samples_with_one_padded_repeat(tmp_path):
+    """2048 = 3 x 682 + 2: DistributedSampler pads the shuffled list with its first index to 2049, so each of the 3
+    ranks gets 683 samples and one sample is trained on twice an epoch (drop_last=True would drop the tail)."""
+    job = run(python("multigpu.py", 1, 1, "--world_size", 3), cwd=tmp_path, record=True)
+    [shares] = by_epoch(job.samples).values()
+    assert sorted(shares) == [0, 1, 2]
+    assert [len(indices) for indices in shares.values()] == [683] * 3
+    seen = [index for indices in shares.values() for index in indices]
+    assert set(seen) == set(range(DATASET_SIZE))
+    assert len(seen) - len(set(seen)) == 1, "only the padding repeats"
+    assert sum(len(set(a) & set(b)) for a, b in combinations(shares.values(), 2)) == 1
+
+
+# --- per-rank metrics (TUTORIAL_RUN_DIR) -----------------------------------------------------------------------------
+
+def test_each_rank_writes_its_own_metrics_file_one_line_per_epoch_and_a_resumed_run_appends(torchrun_jobs):
+    run_dir = torchrun_jobs["workdir"] / "runs"
+    assert sorted(path.name for path in run_dir.iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
+    runs = plot_metrics.read_run(run_dir)
+    steps_per_epoch = DATASET_SIZE // 2 // 32  # half the data per rank, batch 32
+    fields = {"rank", "world_size", "epoch", "step", "loss", "samples", "seconds", "samples_per_s", "time"}
+    for rank, records in runs.items():
+        assert [r["epoch"] for r in records] == [0, 1, 2, 3], "epochs 2 and 3 appended by the rerun"
+        for r in records:
+            assert set(r) == fields
+            assert (r["rank"], r["world_size"], r["samples"]) == (rank, 2, 1024)  # this rank's share, not 2048
+            assert r["step"] == (r["epoch"] + 1) * steps_per_epoch
+            assert r["samples_per_s"] == pytest.approx(r["samples"] / r["seconds"])
+
+
+def test_the_logged_loss_is_each_ranks_own_and_they_average_to_the_printed_one(torchrun_jobs):
+    printed = output.epoch_losses(torchrun_jobs["first"].output + torchrun_jobs["resumed"].output)
+    runs = plot_metrics.read_run(torchrun_jobs["workdir"] / "runs")
+    for epoch in range(4):
+        rank0, rank1 = runs[0][epoch], runs[1][epoch]
+        assert rank0["loss"] != rank1["loss"]  # different data, different mean loss: not a shared, reduced number
+        mean = (rank0["loss"] * rank0["samples"] + rank1["loss"] * rank1["samples"]) / (2 * 1024)
+        assert mean == pytest.approx(printed[epoch], abs=1e-4)  # printed with 4 decimals
+
+
+def test_the_plot_tool_draws_a_run_to_a_png(torchrun_jobs, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "plot.png"
+    monkeypatch.setattr("sys.argv", ["plot_metrics.py", str(torchrun_jobs["workdir"] / "runs"), "-o", str(out)])
+    plot_metrics.main()
+    assert "2 ranks, 4 epochs" in capsys.readouterr().out
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and out.stat().st_size > 10_000
+
+
+# --- a rerun resumes; nodes that do not share the snapshot refuse -----------------------------------------------------
 
 def test_a_rerun_resumes_after_the_last_completed_epoch(torchrun_jobs):
     first, resumed = torchrun_jobs["first"], torchrun_jobs["resumed"]
+    assert_one_writer(first.writes, torchrun_jobs["workdir"] / "snapshot.pt")
     assert output.resumes(resumed.output) == {0: 2}, resumed.output  # restart 0: a new job, not a torchrun restart
     assert "[rank 1/2 | cpu] resuming from epoch 2, restart 0" in resumed.output  # every rank loads it
     assert sorted(resumed.losses) == [2, 3], "epochs 0 and 1 were done already: none is repeated"
     assert resumed.losses[3] < first.losses[1], "it goes on from the trained weights"
     snapshot = torch.load(torchrun_jobs["workdir"] / "snapshot.pt", weights_only=True)
     assert snapshot["EPOCHS_RUN"] == 4
-
-
-def test_multinode_runs_as_two_nodes_on_localhost_with_one_writer(tmp_path):
-    node = torchrun_node("multinode.py", EPOCHS, 2, endpoint=f"127.0.0.1:{free_port()}")
-    job = run(node, node, cwd=tmp_path, record=True)
-    assert_learned(job.output, EPOCHS)
-    reporting = [n for n in range(2) if "epoch 0 |" in job.node_output(n)]
-    assert len(reporting) == 1, "only global rank 0, on one of the nodes, reports"
-    assert "[rank 0/2 | local 0 | cpu] epoch 0 |" in job.output
-    assert sorted({row["rank"] for row in job.samples}) == [0, 1]
-    assert_one_writer(job.writes, tmp_path / "snapshot.pt")
-    assert_loads_into_fresh_model(tmp_path / "snapshot.pt", key="MODEL_STATE")
 
 
 def test_nodes_that_see_different_snapshots_refuse_to_train(tmp_path, torchrun_jobs):
@@ -78,3 +219,4 @@ def test_nodes_that_see_different_snapshots_refuse_to_train(tmp_path, torchrun_j
            "shares" in job.errors, job.output
     assert not job.samples, "no rank trained"
     assert (disks[0] / "snapshot.pt").read_bytes() == before and not (disks[1] / "snapshot.pt").exists()
+

@@ -67,13 +67,14 @@ def main():
     jobs["fsdp.py"] = show("Step 5: FSDP, the model sharded over the ranks", torchrun(
         "fsdp.py", EPOCHS, SAVE_EVERY, nproc="gpu" if GPUS else 2), timeout=args.timeout)
 
-    show("Step 3 under fire: a worker SIGKILLed, torchrun restarts the group, the job resumes",
-         python("tools/fault_demo.py", "--timeout", args.timeout), timeout=args.timeout + 30, narrated=True)
+    fault = show("Step 3 under fire: a worker SIGKILLed, torchrun restarts the group, the job resumes",
+                 python("tools/fault_demo.py", "--timeout", args.timeout), timeout=args.timeout + 30, narrated=True)
 
     print(f"\n=== Summary ({time.perf_counter() - began:.0f} s; files in {where(RUN_DIR)}/)")
     for step, job in jobs.items():
         losses = job.losses
         print(f"{step:22} loss {losses[0]:.4f} (epoch 0) -> {losses[max(losses)]:.4f} (epoch {max(losses)})")
+    return jobs, fault
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ job does and injects faults, each part switched on by its own environment variab
 changed; without the variables nothing happens.
 
 - JOB_RECORD_DIR: what the job did, in files of that folder.
-  - writes.tsv: a line `pid<TAB>rank<TAB>path` per torch.save, so a reader can tell how many processes wrote files
-    and which ranks they were ("-": no process group).
+  - writes.tsv: a line `pid<TAB>rank<TAB>path` per torch.save to a file, so a reader can tell how many processes
+    wrote files and which ranks they were ("-": no process group).
   - samples.jsonl: a JSON line per completed pass over a DataLoader: the process, its rank, torchrun's restart
     count, the sampler's class and epoch (its set_epoch value), the pass's number in this process, whether the model
     was wrapped in DDP, and the sample indices in the order the process trained on them. Overlapping shards, a
@@ -42,8 +42,9 @@ if RECORD_DIR:
 
     def _recording_save(obj, f, *args, **kwargs):
         result = _save(obj, f, *args, **kwargs)
-        rank = _rank()
-        _append("writes.tsv", f"{os.getpid()}\t{'-' if rank is None else rank}\t{os.path.abspath(str(f))}")
+        if isinstance(f, (str, os.PathLike)):  # a file; not a stream (DCP saves its shards' items to streams)
+            rank = _rank()
+            _append("writes.tsv", f"{os.getpid()}\t{'-' if rank is None else rank}\t{os.path.abspath(f)}")
         return result
 
     torch.save = _recording_save
