@@ -29,7 +29,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=positive_int, default=50)
     parser.add_argument("--save_every", type=positive_int, default=10)
-    parser.add_argument("--kill_after", type=positive_int, default=15, help="kill rank 1 after this epoch's line")
+    parser.add_argument("--kill_after", type=positive_int, default=15, help="kill the last rank after this epoch's line")
     parser.add_argument("--nproc", type=positive_int, default=2)
     parser.add_argument("--timeout", type=positive_int, default=300, help="seconds before the job is given up")
     args = parser.parse_args()
@@ -46,7 +46,8 @@ def main():
             cold_step = cold_line - epoch_seconds(first)
             while int(job.wait_for(output.EPOCH, timeout=args.timeout)["epoch"]) < args.kill_after:
                 pass  # follow rank 0 up to the kill point
-            victim = job.kill_worker(rank=1 % args.nproc)
+            victim_rank = args.nproc - 1  # not the writer, when there are several
+            victim = job.kill_worker(rank=victim_rank)
             killed = job.seconds()
             resumed = job.wait_for(output.RESUMED, timeout=args.timeout)
             to_resume = job.seconds() - killed
@@ -69,7 +70,8 @@ def main():
     redone = epochs_before_kill + 1 - resumed_from
     print(machine_summary())
     print(f"torchrun --standalone --nproc_per_node={args.nproc} --max_restarts=1 multigpu_torchrun.py "
-          f"{args.epochs} {args.save_every}: rank 1 (pid {victim}) SIGKILLed after epoch {args.kill_after}")
+          f"{args.epochs} {args.save_every}: rank {victim_rank} (pid {victim}) SIGKILLed after epoch "
+          f"{args.kill_after}")
     print(f"cold start   launch -> first training step         {cold_step:6.2f} s   (-> first epoch line "
           f"{cold_line:.2f} s)")
     print(f"recovery     kill -> snapshot loaded (resume line)  {to_resume:6.2f} s")

@@ -4,6 +4,9 @@ demo sums the losses up and narrates a worker killed and the job resuming. Then 
 samples each rank really trained on, the per-rank metrics, a rerun that resumes where the last one stopped, and nodes
 that refuse to train out of step.
 
+And what DDP's gradient averaging means, on the demo's own run: 2 processes with batch b take exactly the steps
+that 1 process takes with batch 2b over the same samples.
+
 The runs are started once for this module (each a few seconds of CPU, most of it `import torch`)."""
 import contextlib
 import functools
@@ -14,12 +17,15 @@ from itertools import combinations
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
 
+import single_gpu
 import tools.demo as demo
 from expect import assert_learned, assert_loads_into_fresh_model, assert_one_writer
 from tools import plot_metrics
 from tools.jobs import output, python, run, start, torchrun, torchrun_node
-from utils import free_port
+from utils import free_port, make_workload
 
 EPOCHS, SAVE_EVERY = 4, 2
 DATASET_SIZE = 2048  # the synthetic workload's training set
@@ -112,6 +118,34 @@ def test_the_demo_sums_up_every_step_and_narrates_the_fault(demo_run):
     assert "torchrun: failed (exitcode: -9) local_rank: 1" in fault.output
     assert re.search(r">>> rank \d reloaded the snapshot: resuming from epoch 4 \(restart 1\)", fault.output)
     assert ">>> the job finished (exit 0): 8 epochs in all, one worker killed on the way" in fault.output
+
+
+# --- what DDP's gradient averaging means ----------------------------------------------------------------------------
+
+def train_in_one_process(batch_size, epochs=EPOCHS):
+    """single_gpu.py's Trainer, fed in the order a 2-rank DistributedSampler deals the samples out: rank r gets
+    shuffled positions r, r+2, r+4..., so one 2b batch holds exactly the two ranks' b batches."""
+    workload = make_workload()
+    loader = DataLoader(workload.train_set, batch_size=batch_size,
+                        sampler=DistributedSampler(workload.train_set, num_replicas=1, rank=0))
+    trainer = single_gpu.Trainer(workload.model, loader, workload.optimizer, workload.loss_fn,
+                                 torch.device("cpu"), save_every=epochs)
+    with contextlib.redirect_stdout(io.StringIO()):
+        for epoch in range(epochs):
+            loader.sampler.set_epoch(epoch)  # the same shuffle the 2 ranks share in this epoch
+            trainer._run_epoch(epoch)
+    return trainer.model.state_dict()
+
+
+def test_two_ranks_with_batch_b_end_with_the_weights_of_one_process_with_batch_2b(demo_run):
+    """The demo's multigpu.py: 2 gloo ranks, batch 32 each, 4 epochs; its checkpoint.pt holds the final weights."""
+    two_ranks = torch.load(demo_run["run_dir"] / "checkpoint.pt", weights_only=True)
+    reference = train_in_one_process(2 * 32)
+    assert two_ranks.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(two_ranks[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    alone = train_in_one_process(32)  # not a coincidence of training long enough: batch b alone ends elsewhere
+    assert max((two_ranks[name] - tensor).abs().max().item() for name, tensor in alone.items()) > 1e-2
 
 
 # --- what each rank trained on ---------------------------------------------------------------------------------------
