@@ -76,6 +76,15 @@ def test_more_torchrun_processes_than_gpus_is_refused(monkeypatch, step):
     assert "2 processes on this machine but 1 GPU(s)" in str(run_main(monkeypatch, step, "2", "1"))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gives")
+def test_fsdp_gpu_only_options_stop_with_one_line_on_a_cpu_before_the_process_group(monkeypatch):
+    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)  # as torchrun starts it: the check in main() runs before init_process_group
+    for option in ("--bf16", "--cpu_offload"):
+        stop = run_main(monkeypatch, "fsdp.py", "2", "1", option)
+        assert str(stop) == "error: --bf16 and --cpu_offload are options of --strategy fsdp on CUDA GPUs"
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_machine_world_size_above_the_gpu_count_is_refused(tmp_path):
     too_many = torch.cuda.device_count() + 1

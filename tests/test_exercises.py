@@ -69,9 +69,14 @@ def test_starting_file_3_trains_out_of_step_when_nodes_have_their_own_disks(tmp_
     assert re.search(r"the nodes trained out of step: rank 0 began at epoch 3; rank 1 began at epoch 0", problems)
 
 
-def test_checker_refuses_a_missing_script(tmp_path):
-    job = run([PYTHON, REPO / "exercises/check.py", 1, "no_such_script.py"], cwd=tmp_path, check=False)
-    assert job.returncode == 1 and job.output.strip() == "error: no_such_script.py is not a file"
+def test_checker_refuses_a_missing_script(tmp_path, monkeypatch):
+    from exercises import check as checker
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["check.py", "1", "no_such_script.py"])
+    with pytest.raises(SystemExit) as stop:
+        checker.main()
+    assert str(stop.value) == "error: no_such_script.py is not a file"
 
 
 def test_a_dataloader_without_distributed_sampler_shows_as_overlapping_ranks(tmp_path):

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import TensorDataset
 
-from tools.jobs import FRESH_STORE, output, python, run, start, torchrun
+from tools.jobs import FRESH_STORE, output, run, start, torchrun
 from tools.jobs.output import epoch_losses, memory_tables
 from utils import evaluate, exit_without_teardown, free_port, make_workload
 
@@ -120,15 +120,6 @@ def test_a_corrupt_snapshot_stops_every_rank_with_one_clear_line(tmp_path):
     errors = re.findall(r"error: cannot resume from snapshot \(.*?\); it is left in place", job.output)
     assert len(errors) == 2, job.output
     assert (tmp_path / "snapshot" / ".metadata").read_bytes() == b"not a checkpoint"
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gives")
-def test_gpu_only_options_stop_with_one_clear_line_on_a_cpu(tmp_path):
-    as_torchrun_starts_it = {"LOCAL_RANK": "0", "RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1"}
-    job = run(python("fsdp.py", 2, 1, "--bf16"), cwd=tmp_path, env=as_torchrun_starts_it, timeout=60, check=False)
-    assert job.returncode == 1
-    assert job.output.strip().startswith("error: --bf16 and --cpu_offload"), job.output
-    assert len(job.output.strip().splitlines()) == 1, job.output
 
 
 @pytest.mark.gpu
