@@ -13,7 +13,7 @@ from tools.jobs import output, start, torchrun_node
 from utils import free_port
 
 pytestmark = pytest.mark.slow
-EPOCHS, SAVE_EVERY = 20, 2
+EPOCHS, SAVE_EVERY = 12, 2
 # How fast the survivor re-forms the job (the README's elastic section explains the trade-offs): a node whose agent
 # missed keep_alive_max_attempt heartbeats, one every keep_alive_interval s, is dead (default 3 x 5 s); once the
 # minimum number of nodes is there, the rendezvous still waits last_call_timeout s for latecomers (default 30).
