@@ -296,9 +296,10 @@ class Job:
         return recorded_samples(self.logs_dir)
 
     def writers(self):
-        """(ranks that wrote files, the files' names): a .tmp file counts under the name it was renamed to."""
+        """(ranks that wrote files, the files' names): a temporary file (`NAME.tmp`, or `NAME.PID.tmp` as
+        utils.replacing names it) counts under the name it was renamed to."""
         ranks = sorted({rank for _, rank, _ in self.writes}, key=str)
-        files = sorted({Path(path).name.removesuffix(".tmp") for _, _, path in self.writes})
+        files = sorted({re.sub(r"(\.\d+)?\.tmp$", "", Path(path).name) for _, _, path in self.writes})
         return ranks, files
 
     def describe(self):
