@@ -1,6 +1,8 @@
 """The README is the tutorial's front page and docs/ its depth: the diffs they show are the scripts' real diffs,
 every pair of consecutive steps is shown, and the steps stay small."""
 import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -61,3 +63,16 @@ def test_the_front_page_stays_short():
 
 def test_ci_runs_the_readme_test_command():
     assert re.search(r"^make test\b", (REPO / ".ci" / "run").read_text(), re.M)
+
+
+def make_dry_run(target):
+    """The commands `make TARGET` would run, without running them."""
+    return subprocess.run(["make", "-n", "-B", target], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_lab_adds_its_own_requirements_which_make_test_never_installs():
+    lab, test = make_dry_run("lab"), make_dry_run("test")
+    assert "pip install --quiet -r requirements-lab.txt" in lab and re.search(r"jupyter lab notebooks/?$", lab, re.M)
+    assert "requirements-lab.txt" not in test and "jupyter" not in test
+    assert "jupyterlab" not in (REPO / "requirements.txt").read_text().lower()
