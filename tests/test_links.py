@@ -1,5 +1,7 @@
 """Every link of the front page, docs/ and the notebooks leads somewhere: relative links to files that exist,
 #anchors to headings of their target, with the ids GitHub gives headings (tools/doclinks.py)."""
+import re
+
 import pytest
 
 from tools import doclinks
@@ -44,3 +46,12 @@ def test_a_broken_link_and_a_broken_anchor_are_found(tmp_path, monkeypatch):
                     "`[code](not/a/link.md)` [here](#a-page) [web](https://example.com/x)\n\n# A page\n")
     assert {target: why for _, target, why in doclinks.broken(page)} == {
         "docs/b.md": "no file docs/b.md", "docs/a.md#no-such-part": "no heading #no-such-part in docs/a.md"}
+
+
+@pytest.mark.parametrize("page", doclinks.pages(), ids=lambda page: str(page.relative_to(REPO)))
+def test_every_test_a_page_names_exists(page):
+    """`tests/FILE.py::NAME` in a page (the fault table cites its proofs that way) is a test function of that file."""
+    named = re.findall(r"(tests/\w+\.py)::(\w+)", doclinks.markdown_of(page))
+    missing = [f"{path}::{name}" for path, name in named
+               if not (REPO / path).exists() or f"def {name}(" not in (REPO / path).read_text()]
+    assert not missing, f"{page.name} names tests that do not exist: {missing}"
