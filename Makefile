@@ -29,15 +29,27 @@ mini-slurm: $(STAMP)  ## slurm/multinode.sbatch on a real two-node Slurm on this
 # Step 5 (fsdp.py): the figures its README section quotes. Files they write go to runs/ (ignored by git).
 .PHONY: fsdp-memory dataparallel-vs-ddp
 
+# Each strategy gets a folder of its own (snapshot/ and model_full.pt), removed first: with a shared one the second run would find the first
+# one's finished snapshot and measure nothing.
 fsdp-memory: $(STAMP)  ## per-rank memory of the wide workload: FSDP, then DDP (2 processes)
-	for strategy in fsdp ddp; do mkdir -p runs/$$strategy && (cd runs/$$strategy && \
-		$(abspath $(PY)) -m torch.distributed.run --standalone --nproc_per_node=2 $(CURDIR)/fsdp.py 2 2 \
-		--workload wide --verbose --strategy $$strategy) || exit 1; done
+	rm -rf runs/fsdp-memory
+	for strategy in fsdp ddp; do mkdir -p runs/fsdp-memory/$$strategy && \
+		$(PY) -m torch.distributed.run --standalone --nproc_per_node=2 fsdp.py 2 2 --workload wide --verbose \
+		--strategy $$strategy --snapshot_path runs/fsdp-memory/$$strategy/snapshot || exit 1; done
 
 dataparallel-vs-ddp: $(STAMP)  ## nn.DataParallel against DDP (on a CPU: one process against several)
 	$(PY) benchmarks/dataparallel_vs_ddp.py
 
-.PHONY: notebooks
+.PHONY: notebooks lab
+LAB_STAMP := $(VENV)/.requirements-lab-installed
+
+$(LAB_STAMP): requirements-lab.txt $(STAMP)
+	$(PY) -m pip install --quiet -r requirements-lab.txt
+	touch $@
+
+lab: $(LAB_STAMP)  ## open the walkthrough notebooks in JupyterLab (installs it into .venv the first time)
+	$(VENV)/bin/jupyter lab notebooks/
+
 notebooks: $(STAMP)  ## re-run the walkthrough notebooks and store their outputs (commit them afterwards)
 	$(PY) notebooks/execute.py
 

@@ -99,59 +99,84 @@ def shard_facts(job, show=8):
     for epoch in sorted({row["number"] for row in job.samples}):
         rows = sorted((row for row in job.samples if row["number"] == epoch), key=lambda row: row["rank"])
         shares = [set(row["indices"]) for row in rows]
+        together = set.union(*shares)
         print(f"epoch {epoch}: " + ", ".join(f"rank {row['rank']} {len(row['indices'])} samples" for row in rows)
-              + f" | shared by two ranks: {len(set.intersection(*shares))} | together: {len(set.union(*shares))}")
+              + f" | trained on by more than one rank: {sum(map(len, shares)) - len(together)}"
+              + f" | together: {len(together)}")
         for row in rows:
             print(f"    rank {row['rank']} starts with {row['indices'][:show]}")
 
 
-def plot_timeline(job):
-    """Epochs, snapshots, the kill, the restart and the resume of a job, along its wall-clock time."""
-    fig, ax = plt.subplots(figsize=(11, 2.8))
-    attempt, kill_at, end = 0, None, job.timeline[-1][0]
+def plot_timeline(job, title="A worker killed: torchrun restarts the job, which resumes from its last snapshot"):
+    """Epochs, snapshots, the kills, the restarts and the resumes of a job, along its wall-clock time. An epoch that a
+    kill threw away (finished, but after the last snapshot, so trained again by a later attempt) is drawn hollow."""
+    events, attempt = [], 0  # (seconds, attempt, kind, detail)
     for seconds, _, text in job.timeline:
         epoch, saved, resumed = (pattern.search(text) for pattern in (output.EPOCH, output.SAVED, output.RESUMED))
         if epoch:
-            ax.plot(seconds, attempt, "o", color=RANK_COLORS[attempt])
-            ax.annotate(epoch["epoch"], (seconds, attempt), textcoords="offset points", xytext=(0, 7), ha="center",
-                        fontsize=8)
+            events.append((seconds, attempt, "epoch", int(epoch["epoch"])))
         elif saved:
-            ax.plot(seconds, attempt, "v", color="black", markersize=8)
+            events.append((seconds, attempt, "saved", None))
         elif text.startswith("SIGKILL"):
-            kill_at = seconds
-            ax.axvline(seconds, color="red", lw=2)
-            ax.annotate(" SIGKILL", (seconds, 0.5), color="red")
+            events.append((seconds, attempt, "kill", None))
         elif resumed and resumed["rank"] == "0":
             attempt = int(resumed["restart"])
+            events.append((seconds, attempt, "resumed", int(resumed["epoch"])))
+    trained_in = {}  # epoch -> the attempts that finished it
+    for _, run, kind, detail in events:
+        if kind == "epoch":
+            trained_in.setdefault(detail, []).append(run)
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.8 * (attempt + 1)))
+    kill_at, end = None, job.timeline[-1][0]
+    for seconds, run, kind, detail in events:
+        color = RANK_COLORS[run % len(RANK_COLORS)]
+        if kind == "epoch":
+            lost = run != trained_in[detail][-1]
+            ax.plot(seconds, run, "o", color=color, markerfacecolor="white" if lost else color, markersize=7)
+            ax.annotate(str(detail), (seconds, run), textcoords="offset points", xytext=(0, 7), ha="center",
+                        fontsize=8)
+        elif kind == "saved":
+            ax.plot(seconds, run, "v", color="black", markersize=8)
+        elif kind == "kill":
+            kill_at = seconds
+            ax.axvline(seconds, color="red", lw=2)
+            ax.annotate(" SIGKILL", (seconds, run + 0.3), color="red")
+        elif kind == "resumed":
             ax.axvspan(kill_at or 0, seconds, color="0.9")
-            ax.annotate("torchrun stops the other worker\nand starts all of them again", ((kill_at + seconds) / 2,
-                        0.5), ha="center", va="center", fontsize=8)
-            ax.plot(seconds, attempt, "|", color=RANK_COLORS[attempt], markersize=20)
-            ax.annotate(f"resuming from epoch {resumed['epoch']}", (seconds, attempt), xytext=(-4, -14),
-                        textcoords="offset points", ha="right", fontsize=8, color=RANK_COLORS[attempt])
-    ax.set(xlabel="seconds since torchrun started", xlim=(0, end * 1.02), ylim=(-0.6, attempt + 0.6),
-           yticks=range(attempt + 1), yticklabels=[f"attempt {n}" for n in range(attempt + 1)])
+            ax.annotate("restart", ((kill_at + seconds) / 2, run - 0.5), ha="center", va="center", fontsize=8)
+            ax.plot(seconds, run, "|", color=color, markersize=20)
+            ax.annotate(f"resuming from epoch {detail}", (seconds, run), xytext=(-4, -14),
+                        textcoords="offset points", ha="right", fontsize=8, color=color)
+    ax.set(xlabel="seconds since torchrun started", xlim=(0, end * 1.02), ylim=(-0.6, attempt + 0.6), title=title)
+    ax.set_yticks(range(attempt + 1), [f"attempt {n}" for n in range(attempt + 1)])
     ax.plot([], [], "o", color="gray", label="epoch finished (its number above)")
+    ax.plot([], [], "o", color="gray", markerfacecolor="white", label="epoch lost to a kill: trained again")
     ax.plot([], [], "v", color="black", label="snapshot saved")
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
     plt.show()
 
 
-def plot_layout(nodes, per_node, writers=(0,)):
-    """The ranks of a multi-node job: global rank (in the job) and local rank (on its node, picks the GPU)."""
-    fig, ax = plt.subplots(figsize=(3.2 * nodes, 1.9))
-    for node in range(nodes):
+def plot_layout(ranks, writers=(0,), title="Each node numbers its processes from 0 (LOCAL_RANK); the job numbers "
+                                           "them all (RANK)"):
+    """The ranks of a multi-node job, as its workers were started: ranks is {global rank: (node, local rank)}, with
+    node the number of the launcher (the first command started is node 0)."""
+    nodes = sorted({node for node, _ in ranks.values()})
+    per_node = max(sum(1 for node, _ in ranks.values() if node == n) for n in nodes)
+    fig, ax = plt.subplots(figsize=(3.2 * len(nodes), 2.1))
+    for node in nodes:
         ax.add_patch(plt.Rectangle((node * 3.2, 0), 3, 1.6, fill=False, lw=1.5))
-        ax.text(node * 3.2 + 1.5, 1.4, f"node {node}" + (" (rendezvous endpoint)" if node == 0 else ""),
+        ax.text(node * 3.2 + 1.5, 1.4, f"node {node}: torchrun started " + ("first" if node == 0 else "second"),
                 ha="center", fontsize=9)
-        for local in range(per_node):
-            rank = node * per_node + local
+        mine = sorted((local, rank) for rank, (n, local) in ranks.items() if n == node)
+        for local, rank in mine:
             x = node * 3.2 + 0.2 + local * 2.8 / per_node
             ax.add_patch(plt.Rectangle((x, 0.2), 2.6 / per_node, 0.9, color=RANK_COLORS[rank % 4], alpha=0.3))
             ax.text(x + 1.3 / per_node, 0.65, f"RANK {rank}\nLOCAL_RANK {local}"
-                    + ("\nwrites the snapshot" if rank in writers else ""), ha="center", va="center", fontsize=8)
-    ax.set(xlim=(-0.1, nodes * 3.2), ylim=(-0.1, 1.7))
+                    + ("\nwrites the\nsnapshot" if rank in writers else ""), ha="center", va="center", fontsize=8)
+    ax.set(xlim=(-0.1, len(nodes) * 3.2), ylim=(-0.1, 1.7))
+    ax.set_title(title, fontsize=10)
     ax.axis("off")
     plt.show()
 

@@ -1,5 +1,8 @@
-"""The README is the tutorial's front page: its diffs are the scripts' real diffs, and the steps stay small."""
+"""The README is the tutorial's front page and docs/ its depth: the diffs they show are the scripts' real diffs,
+every pair of consecutive steps is shown, and the steps stay small."""
 import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -10,18 +13,27 @@ README = (REPO / "README.md").read_text()
 PAIRS = list(zip(stepdiff.steps(), stepdiff.steps()[1:]))
 
 
-def test_the_readme_diffs_are_generated_from_the_scripts():
-    assert stepdiff.render(README) == README, "stale: run `python tools/stepdiff.py --write`"
+@pytest.mark.parametrize("page", stepdiff.pages(), ids=lambda page: str(page.relative_to(REPO)))
+def test_the_diffs_of_every_page_are_generated_from_the_scripts(page):
+    text = page.read_text()
+    assert stepdiff.render(text) == text, f"{page.name} is stale: run `python tools/stepdiff.py --write`"
 
 
 def test_a_stale_diff_is_noticed():
-    stale = README.replace("+from torch.utils.data.distributed import DistributedSampler\n", "", 1)
-    assert stale != README and stepdiff.render(stale) != stale
+    page = next(page for page in stepdiff.pages() if "<!-- diff single_gpu.py multigpu.py -->" in page.read_text())
+    text = page.read_text()
+    stale = text.replace("+from torch.utils.data.distributed import DistributedSampler\n", "", 1)
+    assert stale != text and stepdiff.render(stale) != stale
+
+
+def test_the_diff_blocks_name_steps_in_order():
+    """A block shows a step against the one before it, never two steps apart or a file that is not a step."""
+    assert set(stepdiff.shown_pairs()) <= set(PAIRS), set(stepdiff.shown_pairs()) - set(PAIRS)
 
 
 @pytest.mark.parametrize("old, new", PAIRS)
 def test_every_step_shows_its_diff_against_the_previous_one(old, new):
-    assert f"<!-- diff {old} {new} -->" in README
+    assert (old, new) in stepdiff.shown_pairs(), f"no page has a <!-- diff {old} {new} --> block"
 
 
 @pytest.mark.parametrize("name", stepdiff.steps())
@@ -39,5 +51,28 @@ def test_the_first_commands_are_make_demo_and_make_test():
     assert "make demo" in before_first_section and "make test" in before_first_section
 
 
+@pytest.mark.parametrize("name", stepdiff.steps())
+def test_the_front_page_lists_every_step(name):
+    steps_table = README.split("\n## The steps", 1)[1].split("\n## ", 1)[0]
+    assert re.search(rf"^\| \d+ \| `{re.escape(name)}` \|", steps_table, re.M), f"{name} is not in the table"
+
+
+def test_the_front_page_stays_short():
+    assert len(README.splitlines()) <= 120, "the depth belongs in docs/"
+
+
 def test_ci_runs_the_readme_test_command():
     assert re.search(r"^make test\b", (REPO / ".ci" / "run").read_text(), re.M)
+
+
+def make_dry_run(target):
+    """The commands `make TARGET` would run, without running them."""
+    return subprocess.run(["make", "-n", "-B", target], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_lab_adds_its_own_requirements_which_make_test_never_installs():
+    lab, test = make_dry_run("lab"), make_dry_run("test")
+    assert "pip install --quiet -r requirements-lab.txt" in lab and re.search(r"jupyter lab notebooks/?$", lab, re.M)
+    assert "requirements-lab.txt" not in test and "jupyter" not in test
+    assert "jupyterlab" not in (REPO / "requirements.txt").read_text().lower()

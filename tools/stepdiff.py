@@ -1,10 +1,11 @@
-"""The diffs between consecutive step scripts, generated from the files, and the README blocks that show them.
+"""The diffs between consecutive step scripts, generated from the files, and the doc blocks that show them.
 
-    python tools/stepdiff.py            # check: exit 1 if README.md's diffs are stale
-    python tools/stepdiff.py --write    # regenerate README.md's diff blocks from the scripts
+    python tools/stepdiff.py            # check: exit 1 if a diff in README.md or docs/*.md is stale
+    python tools/stepdiff.py --write    # regenerate every diff block of README.md and docs/*.md from the scripts
 
-README.md marks each generated block with `<!-- diff OLD NEW -->` ... `<!-- end diff -->`; everything between the
-two markers is replaced by a ```diff fence holding `diff -u`-style output of OLD -> NEW.
+A page marks each generated block with `<!-- diff OLD NEW -->` ... `<!-- end diff -->`; everything between the
+two markers is replaced by a ```diff fence holding `diff -u`-style output of OLD -> NEW. Any page may hold any
+pair's block; the tests want every consecutive pair of steps shown somewhere.
 """
 import argparse
 import difflib
@@ -51,23 +52,44 @@ def changed_lines(old, new):
 
 
 def render(text):
-    """README text with every diff block regenerated from the files."""
+    """A page's text with every diff block regenerated from the files."""
     return BLOCK.sub(lambda m: f"{m[1]}```diff\n{step_diff(m[2], m[3])}\n```\n{m[5]}", text)
+
+
+def pages():
+    """The pages that may hold diff blocks: README.md, then docs/*.md."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def shown_pairs():
+    """{(OLD, NEW): [page, ...]}: the diff blocks of every page, by the pair of scripts they show."""
+    pairs = {}
+    for page in pages():
+        for match in BLOCK.finditer(page.read_text()):
+            pairs.setdefault((match[2], match[3]), []).append(page)
+    return pairs
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help="rewrite README.md instead of checking it")
+    parser.add_argument("--write", action="store_true", help="rewrite the pages instead of checking them")
     args = parser.parse_args()
-    readme = REPO / "README.md"
-    current, fresh = readme.read_text(), render(readme.read_text())
-    if args.write:
-        readme.write_text(fresh)
-    elif current != fresh:
-        sys.exit("README.md's step diffs are stale: run `python tools/stepdiff.py --write`")
-    chain = steps()
+    stale = []
+    for page in pages():
+        current = page.read_text()
+        fresh = render(current)
+        if current != fresh:
+            stale.append(str(page.relative_to(REPO)))
+            if args.write:
+                page.write_text(fresh)
+    if stale and not args.write:
+        sys.exit(f"stale step diffs in {', '.join(stale)}: run `python tools/stepdiff.py --write`")
+    shown, chain = shown_pairs(), steps()
     for old, new in zip(chain, chain[1:]):
-        print(f"{old} -> {new}: {changed_lines(old, new)} changed lines")
+        where = ", ".join(str(page.relative_to(REPO)) for page in shown.get((old, new), [])) or "no page"
+        print(f"{old} -> {new}: {changed_lines(old, new)} changed lines, shown in {where}")
+    if args.write and stale:
+        print(f"rewrote {', '.join(stale)}")
 
 
 if __name__ == "__main__":

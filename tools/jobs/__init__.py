@@ -296,7 +296,7 @@ class Job:
         return recorded_samples(self.logs_dir)
 
     def writers(self):
-        """(ranks that wrote files, the files' names): a .tmp file counts under the name it was renamed to."""
+        """(ranks that wrote files, the files' names): a temporary file counts under the name it was renamed to."""
         ranks = sorted({rank for _, rank, _ in self.writes}, key=str)
         files = sorted({Path(saved_as(path)).name for _, _, path in self.writes})
         return ranks, files
