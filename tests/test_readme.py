@@ -1,4 +1,5 @@
-"""The README is the tutorial's front page: its diffs are the scripts' real diffs, and the steps stay small."""
+"""The README is the tutorial's front page, docs/ its topic pages: their diffs are the scripts' real diffs, and the
+steps stay small."""
 import re
 
 import pytest
@@ -7,11 +8,13 @@ from tools import stepdiff
 from tools.jobs import REPO
 
 README = (REPO / "README.md").read_text()
-PAIRS = list(zip(stepdiff.steps(), stepdiff.steps()[1:]))
+PAGES = {str(page.relative_to(REPO)): page.read_text() for page in stepdiff.pages()}
+PAIRS = stepdiff.pairs()
 
 
-def test_the_readme_diffs_are_generated_from_the_scripts():
-    assert stepdiff.render(README) == README, "stale: run `python tools/stepdiff.py --write`"
+@pytest.mark.parametrize("page", PAGES)
+def test_the_diffs_of_every_page_are_generated_from_the_scripts(page):
+    assert stepdiff.render(PAGES[page]) == PAGES[page], "stale: run `python tools/stepdiff.py --write`"
 
 
 def test_a_stale_diff_is_noticed():
@@ -20,8 +23,12 @@ def test_a_stale_diff_is_noticed():
 
 
 @pytest.mark.parametrize("old, new", PAIRS)
-def test_every_step_shows_its_diff_against_the_previous_one(old, new):
-    assert f"<!-- diff {old} {new} -->" in README
+def test_every_step_shows_its_diff_against_the_one_it_builds_on(old, new):
+    assert any(f"<!-- diff {old} {new} -->" in text for text in PAGES.values())
+
+
+def test_gpt_builds_on_multinode_not_on_fsdp():
+    assert ("multinode.py", "gpt.py") in PAIRS and ("multinode.py", "fsdp.py") in PAIRS
 
 
 @pytest.mark.parametrize("name", stepdiff.steps())

@@ -1,9 +1,10 @@
-"""The diffs between consecutive step scripts, generated from the files, and the README blocks that show them.
+"""The diffs between each step script and the one it builds on, generated from the files, and the blocks of the
+README and of the pages in docs/ that show them.
 
-    python tools/stepdiff.py            # check: exit 1 if README.md's diffs are stale
-    python tools/stepdiff.py --write    # regenerate README.md's diff blocks from the scripts
+    python tools/stepdiff.py            # check: exit 1 if a page's diffs are stale
+    python tools/stepdiff.py --write    # regenerate the pages' diff blocks from the scripts
 
-README.md marks each generated block with `<!-- diff OLD NEW -->` ... `<!-- end diff -->`; everything between the
+A page marks each generated block with `<!-- diff OLD NEW -->` ... `<!-- end diff -->`; everything between the
 two markers is replaced by a ```diff fence holding `diff -u`-style output of OLD -> NEW.
 """
 import argparse
@@ -13,20 +14,37 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CHAIN = ["single_gpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py"]
+CHAIN = ["single_gpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py", "gpt.py"]
+# The step each script is a diff of, where it is not the one before it in CHAIN: gpt.py trains with DDP, so it builds
+# on multinode.py, not on fsdp.py.
+PREVIOUS = {"gpt.py": "multinode.py"}
 # Budgets: a step script reads in one sitting (lines), and each is a small diff of the one before (changed lines:
 # removed + added, as `diff OLD NEW | grep -c '^[<>]'` counts them).
 BUDGET = (150, 60)
 # fsdp.py teaches more than one idea at once: sharding, sharded (collective) snapshots that need step 4's safety
 # checks before and after loading, and FSDP's mixed-precision and offload policies, kept in the script because
 # they are the API the step teaches.
-LARGER_BUDGETS = {"fsdp.py": (165, 70)}
+# gpt.py adds the loop a real model is trained with, each piece a few lines: accumulation with no_sync, mixed
+# precision with a gradient scaler, clipping, a schedule, torch.compile, and a snapshot of everything it depends on
+# (the issue's limit for its diff is 80 changed lines).
+LARGER_BUDGETS = {"fsdp.py": (165, 70), "gpt.py": (180, 80)}
 BLOCK = re.compile(r"(<!-- diff (\S+) (\S+) -->\n)(.*?)(<!-- end diff -->)", re.S)
 
 
 def steps():
     """The step scripts that exist, in teaching order."""
     return [name for name in CHAIN if (REPO / name).exists()]
+
+
+def pairs():
+    """(the step a script builds on, the script) for every step script but the first."""
+    chain = steps()
+    return [(PREVIOUS.get(new, old), new) for old, new in zip(chain, chain[1:])]
+
+
+def pages():
+    """The pages that may show step diffs: the README, then docs/*.md."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 def budget(name):
@@ -50,22 +68,24 @@ def changed_lines(old, new):
 
 
 def render(text):
-    """README text with every diff block regenerated from the files."""
+    """A page's text with every diff block regenerated from the files."""
     return BLOCK.sub(lambda m: f"{m[1]}```diff\n{step_diff(m[2], m[3])}\n```\n{m[5]}", text)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help="rewrite README.md instead of checking it")
+    parser.add_argument("--write", action="store_true", help="rewrite the pages instead of checking them")
     args = parser.parse_args()
-    readme = REPO / "README.md"
-    current, fresh = readme.read_text(), render(readme.read_text())
-    if args.write:
-        readme.write_text(fresh)
-    elif current != fresh:
-        sys.exit("README.md's step diffs are stale: run `python tools/stepdiff.py --write`")
-    chain = steps()
-    for old, new in zip(chain, chain[1:]):
+    stale = []
+    for page in pages():
+        current, fresh = page.read_text(), render(page.read_text())
+        if args.write and current != fresh:
+            page.write_text(fresh)
+        elif current != fresh:
+            stale.append(str(page.relative_to(REPO)))
+    if stale:
+        sys.exit(f"{', '.join(stale)}: step diffs are stale: run `python tools/stepdiff.py --write`")
+    for old, new in pairs():
         print(f"{old} -> {new}: {changed_lines(old, new)} changed lines")
 
 
