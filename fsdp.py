@@ -5,7 +5,6 @@
 """
 import argparse
 import os
-import shutil
 import time
 from datetime import timedelta
 
@@ -19,15 +18,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
-                   log_memory, log_rank_metrics, require_torchrun)
+from utils import (WORKLOADS, attempt_store, configure_cpu_threads, evaluate, exit_without_teardown, make_workload,
+                   positive_int, log_memory, log_rank_metrics, reason, replacing, require_epochs_left,
+                   require_same_arguments, require_torchrun, writable_path)
 
 
 def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process drives its own GPU
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet at MASTER_ADDR:PORT
-                            timeout=timedelta(seconds=timeout_s))  # hang -> error
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet in torchrun's store,
+                            store=attempt_store(timeout_s), rank=int(os.environ["RANK"]),  # under this attempt's keys
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
 
 
 class Trainer:
@@ -65,8 +66,8 @@ class Trainer:
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
             epochs_run = snapshot["EPOCHS_RUN"]
         except (Exception, dcp.CheckpointException) as error:  # garbage bytes, another model's snapshot, a missing key
-            raise SystemExit(f"error: cannot resume from {self.snapshot_path} ({type(error).__name__}: "
-                             f"{str(error).splitlines()[0]}); it is left in place: move it away to start anew")
+            raise SystemExit(f"error: cannot resume from {self.snapshot_path} ({reason(error)}); it is left in place: "
+                             "move it away to start anew")
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
         return epochs_run
 
@@ -96,13 +97,14 @@ class Trainer:
     def _save_snapshot(self, epoch):
         snapshot = dict(zip(["MODEL_STATE", "OPTIMIZER_STATE"], get_state_dict(self.model, self.optimizer)),
                         EPOCHS_RUN=epoch + 1)  # all it takes to go on exactly (the data order is the sampler's)
-        dcp.save(snapshot, checkpoint_id=f"{self.snapshot_path}.tmp")  # every rank writes its own shards there
-        if self.global_rank == 0:  # once all have: the last snapshot goes, the complete new one takes its place
-            shutil.rmtree(self.snapshot_path, ignore_errors=True)  # (os.replace refuses a directory that is not empty)
-            os.replace(f"{self.snapshot_path}.tmp", self.snapshot_path)  # a crash before this: the .tmp is never read
+        tmp = f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp"  # one name for every rank of the job
+        with replacing(self.snapshot_path, tmp, rename=self.global_rank == 0):  # every rank writes its shards, then
+            dcp.save(snapshot, checkpoint_id=tmp)  # rank 0 swaps the complete directory in for the last snapshot
+        if self.global_rank == 0:
             print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
+        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)  # a finished job run again says so
         log_memory("start", self.model, self.optimizer, self.device, self.verbose)  # every rank's, in one table
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
@@ -128,6 +130,7 @@ def main(args):
     fsdp = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None),  # compute dtype
                 offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy())  # where shards live
     ddp_setup(args.timeout)
+    require_same_arguments(args)  # every node started with the same command? Else all stop here, with one line
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only the processes of this node share its cores
     workload = load_train_objs(args.workload)
@@ -138,8 +141,10 @@ def main(args):
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
     full_model = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.global_rank == 0:
-        torch.save(full_model, "model_full.pt")  # the shards gathered into one plain state_dict: no torch.distributed
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
+        full_path = os.path.join(os.path.dirname(args.snapshot_path), "model_full.pt")  # beside the snapshot
+        torch.save(full_model, full_path)  # the shards gathered into one plain state_dict: no torch.distributed
+        print(f"{trainer.tag} full model saved to {full_path}")
     dist.destroy_process_group()
     exit_without_teardown()  # a gloo thread may still hold tensors: see utils
 
@@ -151,7 +156,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")
     parser.add_argument("--workload", default="synthetic", choices=WORKLOADS, help="What to train")
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
-    parser.add_argument("--snapshot_path", default="snapshot", help="Directory of the sharded snapshot")
+    parser.add_argument("--snapshot_path", default="snapshot", type=writable_path, help="Sharded snapshot folder")
     parser.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp"], help="Shard the model or copy it")
     parser.add_argument("--bf16", action="store_true", help="FSDP on GPUs: compute in bfloat16")
     parser.add_argument("--cpu_offload", action="store_true", help="FSDP on GPUs: keep the shards in CPU memory")

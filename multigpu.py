@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
-                   free_port, log_rank_metrics, require_a_gpu_each)
+                   log_rank_metrics, rendezvous_port, replacing, require_a_gpu_each, stop_workers_on_signals)
 
 
 def ddp_setup(rank, world_size, timeout_s):
@@ -62,7 +62,8 @@ class Trainer:
                   f"{samples_per_s:,.0f} samples/s")
 
     def _save_checkpoint(self, epoch):
-        torch.save(self.model.module.state_dict(), "checkpoint.pt")  # .module: the model inside DDP
+        with replacing("checkpoint.pt") as tmp:  # written to a file of its own, then renamed over the last one at once
+            torch.save(self.model.module.state_dict(), tmp)  # .module: the model inside DDP
         print(f"{self.tag} epoch {epoch} | checkpoint saved to checkpoint.pt")
 
     def train(self, max_epochs):
@@ -110,6 +111,6 @@ if __name__ == "__main__":
 
     world_size = require_a_gpu_each(args.world_size or torch.cuda.device_count() or 2, "--world_size")
     print(f"{world_size} processes " + ("on NCCL, one per GPU" if torch.cuda.is_available() else "on gloo (no CUDA)"))
-    os.environ["MASTER_ADDR"] = "localhost"  # where rank 0 listens for the others
-    os.environ.setdefault("MASTER_PORT", str(free_port()))  # a free port, unless the user chose one
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=rendezvous_port())  # where rank 0 listens: the user's
+    stop_workers_on_signals()  # port (checked) or a free one. Ctrl-C or SIGTERM here stops the workers too
     mp.spawn(main, args=(world_size, args), nprocs=world_size)

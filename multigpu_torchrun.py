@@ -13,15 +13,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
-                   log_rank_metrics, require_torchrun)
+from utils import (WORKLOADS, attempt_store, configure_cpu_threads, evaluate, exit_without_teardown, make_workload,
+                   positive_int, log_rank_metrics, reason, replacing, require_epochs_left, require_torchrun,
+                   writable_path)
 
 
 def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process drives its own GPU
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet at MASTER_ADDR:PORT
-                            timeout=timedelta(seconds=timeout_s))  # hang -> error
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet in torchrun's store,
+                            store=attempt_store(timeout_s), rank=int(os.environ["RANK"]),  # under this attempt's keys
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
 
 
 class Trainer:
@@ -46,8 +48,8 @@ class Trainer:
             self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
             epochs_run = snapshot["EPOCHS_RUN"]
         except Exception as error:  # garbage bytes, another model's snapshot, a missing key
-            raise SystemExit(f"error: cannot resume from {self.snapshot_path} ({type(error).__name__}: "
-                             f"{str(error).splitlines()[0]}); it is left in place: move it away to start anew")
+            raise SystemExit(f"error: cannot resume from {self.snapshot_path} ({reason(error)}); it is left in place: "
+                             "move it away to start anew")
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
         return epochs_run
 
@@ -77,11 +79,12 @@ class Trainer:
     def _save_snapshot(self, epoch):
         snapshot = dict(MODEL_STATE=self.model.module.state_dict(), OPTIMIZER_STATE=self.optimizer.state_dict(),
                         EPOCHS_RUN=epoch + 1)  # all it takes to go on exactly (the data order is the sampler's)
-        torch.save(snapshot, f"{self.snapshot_path}.tmp")
-        os.replace(f"{self.snapshot_path}.tmp", self.snapshot_path)  # atomic: a crash leaves the last one whole
+        with replacing(self.snapshot_path) as tmp:  # to a file of its own, then renamed over the last one: atomic, a
+            torch.save(snapshot, tmp)  # crash leaves the last snapshot whole; a failed write is removed and named
         print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
+        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)  # a finished job run again says so
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
@@ -122,7 +125,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")
     parser.add_argument("--workload", default="synthetic", choices=WORKLOADS, help="What to train")
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
-    parser.add_argument("--snapshot_path", default="snapshot.pt", help="Where to save and resume from")
+    parser.add_argument("--snapshot_path", default="snapshot.pt", type=writable_path, help="Where to save and resume")
     args = parser.parse_args()
 
     require_torchrun()  # a clear error for plain `python`, or more processes than GPUs

@@ -8,7 +8,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from utils import WORKLOADS, evaluate, log_rank_metrics, make_workload, positive_int
+from utils import WORKLOADS, evaluate, log_rank_metrics, make_workload, positive_int, replacing
 
 
 class Trainer:
@@ -42,7 +42,8 @@ class Trainer:
               f"{samples_per_s:,.0f} samples/s")
 
     def _save_checkpoint(self, epoch):
-        torch.save(self.model.state_dict(), "checkpoint.pt")
+        with replacing("checkpoint.pt") as tmp:  # written to a file of its own, then renamed over the last one at once
+            torch.save(self.model.state_dict(), tmp)
         print(f"{self.tag} epoch {epoch} | checkpoint saved to checkpoint.pt")
 
     def train(self, max_epochs):

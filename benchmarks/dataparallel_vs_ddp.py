@@ -26,7 +26,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `utils` without installing anything
-from utils import (WORKLOADS, configure_cpu_threads, exit_without_teardown, free_port, make_workload,  # noqa: E402
+from tools.jobs import free_port  # noqa: E402
+from utils import (WORKLOADS, configure_cpu_threads, exit_without_teardown, make_workload,  # noqa: E402
                    positive_int)
 
 

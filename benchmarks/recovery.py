@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.jobs import FRESH_STORE, machine_summary, output, start, torchrun  # noqa: E402
+from tools.jobs import machine_summary, output, start, torchrun  # noqa: E402
 from utils import positive_int  # noqa: E402
 
 TRAIN_SAMPLES = 2048  # the synthetic workload's training set: what one epoch reports samples per second over
@@ -29,7 +29,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=positive_int, default=50)
     parser.add_argument("--save_every", type=positive_int, default=10)
-    parser.add_argument("--kill_after", type=positive_int, default=15, help="kill the last rank after this epoch's line")
+    parser.add_argument("--kill_after", type=positive_int, default=15, help="kill the last rank after this epoch")
     parser.add_argument("--nproc", type=positive_int, default=2)
     parser.add_argument("--timeout", type=positive_int, default=300, help="seconds before the job is given up")
     args = parser.parse_args()
@@ -39,8 +39,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="recovery-") as workdir:
         command = torchrun("multigpu_torchrun.py", args.epochs, args.save_every, nproc=args.nproc,
                            launcher_args=["--max_restarts=1"])
-        # restarted workers need a rendezvous store of their own (README, fault tolerance)
-        with start(command, cwd=workdir, env=FRESH_STORE) as job:
+        with start(command, cwd=workdir) as job:
             first = job.wait_for(output.EPOCH, timeout=args.timeout)
             cold_line = job.seconds()
             cold_step = cold_line - epoch_seconds(first)

@@ -39,8 +39,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/scaling.py` from anywhere; the step scripts import too
 
-from tools.jobs import machine_summary  # noqa: E402
-from utils import WORKLOADS, exit_without_teardown, free_port, positive_int  # noqa: E402
+from tools.jobs import free_port, machine_summary  # noqa: E402
+from utils import WORKLOADS, exit_without_teardown, positive_int  # noqa: E402
 
 
 def timed_turn(trainer, epochs):

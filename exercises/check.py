@@ -21,9 +21,9 @@ sys.path.insert(0, str(REPO))  # run as `python exercises/check.py` from anywher
 
 import torch  # noqa: E402
 
-from tools.jobs import FRESH_STORE, PYTHON, run, shown, torchrun, torchrun_node  # noqa: E402
+from tools.jobs import PYTHON, free_port, run, shown, torchrun, torchrun_node  # noqa: E402
 from tools.jobs.output import epoch_losses  # noqa: E402
-from utils import free_port, make_workload  # noqa: E402
+from utils import make_workload  # noqa: E402
 
 EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes"}
 WORLD_SIZE = 2
@@ -220,10 +220,9 @@ def check_resume(script, workdir, say):
     # two restarts allowed, so one that fails for reasons of its own (a slow start on a busy machine) is retried
     cmd = [*torchrun(script, epochs, 1, nproc=WORLD_SIZE, launcher_args=["--max_restarts=2"]),
            "--timeout", COLLECTIVE_TIMEOUT_S]
-    say(f"running: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {shown(cmd)}")
+    say(f"running: {shown(cmd)}")
     say(f"         and killing rank 1 (SIGKILL) as it begins epoch {KILLED_EPOCH}")
-    job = launch([cmd], [workdir], workdir / "records", timeout=120, kill_at=(0, 1, KILLED_EPOCH),
-                 extra_env=FRESH_STORE)
+    job = launch([cmd], [workdir], workdir / "records", timeout=120, kill_at=(0, 1, KILLED_EPOCH))
     restarted = [row for row in job.samples if row["restart"] >= 1 and row["rank"] == 0]
     if not job.timed_out and not restarted and not any(row["restart"] == 0 and row["number"] >= KILLED_EPOCH - 1
                                                   for row in job.samples):

@@ -1,5 +1,8 @@
 """Bad input gets one clear line and a non-zero exit: never a bare traceback, never a silent exit 0."""
+import os
 import runpy
+import socket
+import subprocess
 import sys
 
 import pytest
@@ -74,6 +77,40 @@ def test_more_torchrun_processes_than_gpus_is_refused(monkeypatch, step):
     for name, value in {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "RANK": "1", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     assert "2 processes on this machine but 1 GPU(s)" in str(run_main(monkeypatch, step, "2", "1"))
+
+
+@pytest.mark.parametrize("step", TORCHRUN_STEPS)
+def test_a_snapshot_path_in_a_missing_folder_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys, step):
+    missing = tmp_path / "no" / "such" / "folder"
+    assert run_main(monkeypatch, step, "2", "1", "--snapshot_path", str(missing / "snapshot")).code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == f"{step}: error: argument --snapshot_path: cannot write in {missing} (No such file or directory)"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a read-only tmpfs: needs root (root ignores file permissions)")
+def test_a_snapshot_path_on_a_read_only_disk_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(readonly)], check=True)
+    try:
+        stop = run_main(monkeypatch, "multigpu_torchrun.py", "2", "1", "--snapshot_path", str(readonly / "snapshot.pt"))
+    finally:
+        subprocess.run(["umount", "-l", str(readonly)], check=False)
+    assert stop.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"multigpu_torchrun.py: error: argument --snapshot_path: cannot write in {readonly} (Read-only file system)")
+
+
+@pytest.mark.parametrize("port, words", [("abc", "MASTER_PORT=abc is not a port number (1-65535)"),
+                                         ("99999", "MASTER_PORT=99999 is not a port number (1-65535)"),
+                                         ("busy", "cannot be used (Address already in use)")])
+def test_a_bad_or_busy_master_port_stops_multigpu_with_one_line_before_spawning(monkeypatch, port, words):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]) if port == "busy" else port)
+        stop = run_main(monkeypatch, "multigpu.py", "2", "1")
+    assert str(stop).startswith("error: ") and words in str(stop) and "\n" not in str(stop), stop
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gives")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from expect import assert_bitwise_equal
-from tools.jobs import FRESH_STORE, output, run, script, start, torchrun
+from tools.jobs import output, run, script, start, torchrun
 from utils import make_workload
 
 EPOCHS, SAVE_EVERY = 9, 3  # snapshots after epochs 2, 5 and 8
@@ -23,10 +23,10 @@ def load(path):
 
 
 def launched(tmp_path, max_restarts):
-    """The tutorial's torchrun command with --max_restarts, started in the background (with a fresh rendezvous
-    store per attempt: see tools/jobs.FRESH_STORE)."""
+    """The tutorial's torchrun command with --max_restarts, as it is (torchrun's shared rendezvous store: the steps
+    give each attempt keys of its own), started in the background."""
     return start(torchrun("multigpu_torchrun.py", *ARGS, nproc=NPROC, launcher_args=[f"--max_restarts={max_restarts}"]),
-                 cwd=tmp_path, env=FRESH_STORE)
+                 cwd=tmp_path)
 
 
 def resumed_line(restart):
@@ -107,8 +107,13 @@ def write_single_device_checkpoint(path):
     torch.save(make_workload().model.state_dict(), path)  # single_gpu.py's checkpoint.pt: a bare state dict
 
 
-@pytest.mark.parametrize("write_snapshot", [write_garbage, write_other_models_snapshot, write_single_device_checkpoint],
-                         ids=["garbage bytes", "another model", "single-device checkpoint"])
+def write_empty(path):
+    path.write_bytes(b"")  # what a full disk or a crash in the middle of a copy can leave
+
+
+@pytest.mark.parametrize("write_snapshot", [write_garbage, write_other_models_snapshot, write_single_device_checkpoint,
+                                            write_empty],
+                         ids=["garbage bytes", "another model", "single-device checkpoint", "empty file"])
 def test_a_snapshot_that_cannot_be_resumed_stops_the_job_with_one_line_and_stays_in_place(tmp_path, write_snapshot):
     path = tmp_path / SNAPSHOT
     write_snapshot(path)

@@ -14,7 +14,8 @@ from torch.utils.data import TensorDataset
 
 from tools.jobs import FRESH_STORE, output, run, start, torchrun
 from tools.jobs.output import epoch_losses, memory_tables
-from utils import evaluate, exit_without_teardown, free_port, make_workload
+from tools.jobs import free_port
+from utils import evaluate, exit_without_teardown, make_workload
 
 EPOCHS = 2
 WIDE = ["--workload", "wide", "--batch_size", 64, "--verbose"]  # large enough for sharding to show
@@ -22,12 +23,15 @@ WIDE = ["--workload", "wide", "--batch_size", 64, "--verbose"]  # large enough f
 
 @pytest.fixture(scope="module")
 def wide_runs(tmp_path_factory):
-    """The wide workload trained on 2 CPU processes, twice on the same data: sharded (FSDP) and replicated (DDP)."""
+    """The wide workload trained on 2 CPU processes, twice on the same data: sharded (FSDP) and replicated (DDP). The
+    snapshot goes to a folder of its own (runs/snapshot), and so must the exported full model."""
     runs = {}
     for strategy in ("fsdp", "ddp"):
         cwd = tmp_path_factory.mktemp(strategy)
-        runs[strategy] = run(torchrun("fsdp.py", EPOCHS, 1, *WIDE, "--strategy", strategy), cwd=cwd, timeout=180)
-        runs[strategy].cwd = cwd
+        (cwd / "runs").mkdir()
+        runs[strategy] = run(torchrun("fsdp.py", EPOCHS, 1, *WIDE, "--strategy", strategy, "--snapshot_path",
+                                      "runs/snapshot"), cwd=cwd, timeout=180)
+        runs[strategy].cwd = cwd / "runs"
     return runs
 
 
@@ -46,7 +50,9 @@ def test_fsdp_follows_the_same_loss_trajectory_as_ddp(wide_runs):
 
 def test_exported_full_model_is_the_gathered_snapshot_and_loads_without_distributed(wide_runs):
     cwd = wide_runs["fsdp"].cwd
-    assert not (cwd / "snapshot.tmp").exists(), "the new snapshot directory was not swapped in"
+    assert "[rank 0/2 | local 0 | cpu] full model saved to runs/model_full.pt" in wide_runs["fsdp"].output
+    assert not (cwd.parent / "model_full.pt").exists(), "beside the snapshot, not in the working directory"
+    assert sorted(path.name for path in cwd.iterdir()) == ["model_full.pt", "snapshot"], "no temporary left behind"
     dcp_to_torch_save(cwd / "snapshot", cwd / "snapshot_gathered.pt")  # the shards of every rank, put together
     snapshot = torch.load(cwd / "snapshot_gathered.pt", weights_only=False)
     exported = torch.load(cwd / "model_full.pt", map_location="cpu", weights_only=True)
@@ -96,7 +102,7 @@ def test_fsdp_holds_a_world_size_share_of_the_training_state_that_ddp_copies(wid
 def test_a_killed_worker_resumes_from_the_sharded_snapshot_after_the_restart(tmp_path):
     epochs = 6
     with start(torchrun("fsdp.py", epochs, 2, launcher_args=["--max-restarts=1"]), cwd=tmp_path,
-               env=FRESH_STORE) as job:
+               env=FRESH_STORE) as job:  # torchrun's other path: a fresh store per attempt (no keys of the last one)
         job.wait_for(output.SAVED, timeout=90)  # the first snapshot (after epoch 1) is in place
         job.kill_worker(rank=1)  # no handler, no cleanup: a crash
         assert job.wait(timeout=150) == [0], job.output
@@ -117,8 +123,10 @@ def test_a_corrupt_snapshot_stops_every_rank_with_one_clear_line(tmp_path):
     job = run(torchrun("fsdp.py", 2, 1), cwd=tmp_path, timeout=120, check=False)
     assert job.returncode not in (0, None)
     # one line from each rank; the two ranks write at the same moment, so their lines may run together
-    errors = re.findall(r"error: cannot resume from snapshot \(.*?\); it is left in place", job.output)
+    errors = re.findall(r"error: cannot resume from snapshot \((.*?)\); it is left in place", job.output)
     assert len(errors) == 2, job.output
+    for cause in errors:  # what went wrong on which rank, not only "CheckpointException ranks:dict_keys([0, 1])"
+        assert re.fullmatch(r"rank \d: \w+: .+", cause) and "CheckpointException" not in cause, cause
     assert (tmp_path / "snapshot" / ".metadata").read_bytes() == b"not a checkpoint"
 
 

@@ -2,8 +2,7 @@
 import pytest
 import torch
 
-from tools.jobs import python, run, torchrun, torchrun_node
-from utils import free_port
+from tools.jobs import free_port, python, run, torchrun, torchrun_node
 
 pytestmark = pytest.mark.gpu
 EPOCHS = 3

@@ -5,8 +5,7 @@ import time
 
 import pytest
 
-from tools.jobs import run, start, torchrun, torchrun_node
-from utils import free_port
+from tools.jobs import free_port, run, start, torchrun, torchrun_node
 
 pytestmark = pytest.mark.slow
 STARTUP = 60  # generous: starting torchrun and its workers takes 3 s here, 20 s on a loaded 2-core machine

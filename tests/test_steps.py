@@ -24,8 +24,8 @@ import single_gpu
 import tools.demo as demo
 from expect import assert_learned, assert_loads_into_fresh_model, assert_one_writer
 from tools import plot_metrics
-from tools.jobs import output, python, run, start, torchrun, torchrun_node
-from utils import free_port, make_workload
+from tools.jobs import free_port, output, python, run, start, torchrun, torchrun_node
+from utils import make_workload
 
 EPOCHS, SAVE_EVERY = 4, 2
 DATASET_SIZE = 2048  # the synthetic workload's training set

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from tools.jobs import PYTHON, REPO, run, torchrun
-from utils import WORKLOADS, evaluate, exit_without_teardown, free_port, make_workload
+from tools.jobs import PYTHON, REPO, free_port, run, torchrun
+from utils import WORKLOADS, evaluate, exit_without_teardown, make_workload
 from utils.vision import FAKEDATA_SIZES
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081

@@ -13,8 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
-from tools.jobs import REPO, machine_summary, output, python, run, shown, torchrun, torchrun_node  # noqa: E402
-from utils import free_port  # noqa: E402
+from tools.jobs import (REPO, free_port, machine_summary, output, python, run, shown, torchrun,  # noqa: E402
+                        torchrun_node)
 
 EPOCHS, SAVE_EVERY = 5, 2
 RUN_DIR = REPO / "runs" / "demo"

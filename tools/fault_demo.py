@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.jobs import FRESH_STORE, output, start, torchrun  # noqa: E402
+from tools.jobs import output, start, torchrun  # noqa: E402
 from tools.jobs.output import Narrator  # noqa: E402
 
 EPOCHS, SAVE_EVERY, KILL_AFTER = 8, 2, 4  # snapshots after epochs 1, 3, 5, 7; the kill lands in epoch 5
@@ -36,11 +36,10 @@ def main():
 
     with tempfile.TemporaryDirectory(prefix="fault-demo-") as workdir:
         command = torchrun("multigpu_torchrun.py", *ARGS, launcher_args=["--max_restarts=1"])
-        say(f"starting: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 "
+        say(f"starting: torchrun --standalone --nproc_per_node=2 "
             f"--max_restarts=1 multigpu_torchrun.py {' '.join(map(str, ARGS))}")
         narrate = Narrator()
-        # restarted workers need a rendezvous store of their own (README, fault tolerance)
-        with start(command, cwd=workdir, env=FRESH_STORE) as job:
+        with start(command, cwd=workdir) as job:
             job.wait_for(rf"\] epoch {KILL_AFTER} \| steps", timeout=left(), echo=narrate)
             pid = job.kill_worker(rank=1)
             say(f"SIGKILL -> rank 1 (pid {pid}), from outside, after epoch {KILL_AFTER}")

@@ -4,8 +4,10 @@ The step scripts keep the distributed concepts (process group, sampler, DDP wrap
 in plain sight; only the parts that are the same in every step live here.
 """
 from utils import gpt, synthetic, vision
-from utils.helpers import (configure_cpu_threads, exit_without_teardown, free_port, positive_int, require_a_gpu_each,
-                           require_torchrun)
+from utils.helpers import (configure_cpu_threads, exit_without_teardown, positive_int, reason, replacing,
+                           require_a_gpu_each, require_epochs_left, require_same_arguments, require_torchrun,
+                           writable_path)
+from utils.launch import attempt_store, rendezvous_port, stop_workers_on_signals
 from utils.memory import log_memory
 from utils.metrics import log_rank_metrics
 from utils.workload import SEED, evaluate
@@ -31,5 +33,7 @@ def make_workload(name="synthetic", seed=SEED):
     return WORKLOADS[name](seed)
 
 
-__all__ = ["WORKLOADS", "configure_cpu_threads", "evaluate", "exit_without_teardown", "free_port", "log_memory",
-           "log_rank_metrics", "make_workload", "positive_int", "require_a_gpu_each", "require_torchrun"]
+__all__ = ["WORKLOADS", "attempt_store", "configure_cpu_threads", "evaluate", "exit_without_teardown", "log_memory",
+           "log_rank_metrics", "make_workload", "positive_int", "reason", "rendezvous_port", "replacing",
+           "require_a_gpu_each", "require_epochs_left", "require_same_arguments", "require_torchrun",
+           "stop_workers_on_signals", "writable_path"]

@@ -1,10 +1,14 @@
-"""Small helpers used by every step: argument checks, CPU threads, a free port, a clean exit."""
+"""Small helpers used by every step: argument checks, CPU threads, files replaced safely, errors in one line, a
+clean exit."""
 import argparse
+import contextlib
 import os
-import socket
+import shutil
 import sys
+import tempfile
 
 import torch
+import torch.distributed as dist
 
 
 def positive_int(text):
@@ -30,13 +34,6 @@ def configure_cpu_threads(processes_on_this_machine):
         threads = max(1, (os.cpu_count() or 1) // processes_on_this_machine)
     torch.set_num_threads(threads)
     return threads
-
-
-def free_port(host="127.0.0.1"):
-    """A TCP port nobody listens on right now (the OS picks it), for a rendezvous on this machine."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def require_torchrun(example="torchrun --standalone --nproc_per_node=2"):
@@ -75,3 +72,82 @@ def exit_without_teardown():
     sys.stderr.flush()
     os._exit(0)
 
+
+
+def reason(error):
+    """An error in one line, for the one line a step stops with: `Type: first line of its message` (the type alone when
+    there is no message; for a distributed checkpoint's failure, the first failing rank's own error)."""
+    failures = getattr(error, "failures", None)  # torch.distributed.checkpoint.CheckpointException: {rank: (error, tb)}
+    if failures:
+        rank, (cause, _) = next(iter(sorted(failures.items())))
+        return f"rank {rank}: {reason(cause)}"
+    message = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, OSError) and error.strerror:
+        message = error.strerror + (f": {error.filename}" if error.filename else "")
+    if not message and isinstance(error, EOFError):
+        message = "the file ends too early (empty, or cut short)"
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def writable_path(path):
+    """argparse type: a file or directory path whose folder exists and takes new files: a snapshot that cannot be
+    written would otherwise be found out only at the first save, SAVE_EVERY epochs in."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot write in {folder} ({error.strerror})") from None
+    return path
+
+
+@contextlib.contextmanager
+def replacing(path, tmp=None, rename=True):
+    """Write a new version of `path` to a temporary file (or directory), then rename it over `path` in one atomic
+    step: a crash at any moment leaves either the old version or the new one, whole. The temporary name is this
+    process's own (its pid), so two writers never share one; pass `tmp` when several processes write parts of it.
+
+        with replacing("snapshot.pt") as tmp:
+            torch.save(snapshot, tmp)
+
+    A failed write (a full disk, say) removes the partial file and stops with one line that names the cause; the
+    last version stays. `rename=False`: this process wrote its part only; another one renames.
+    """
+    tmp = tmp or f"{path}.{os.getpid()}.tmp"
+    try:
+        yield tmp
+    except BaseException as error:
+        if not isinstance(error, Exception) and type(error).__name__ != "CheckpointException":  # (DCP's is a
+            raise  # BaseException); Ctrl-C and SystemExit go on as they are
+        folder = os.path.dirname(os.path.abspath(path))
+        full = shutil.disk_usage(folder).free < 1 << 20  # torch.save says only "unexpected pos ..." on a full disk
+        shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else os.remove(tmp) if os.path.exists(tmp) else 0
+        cause = f"no space left on the disk of {folder}" if full else reason(error)
+        raise SystemExit(f"error: cannot write {path} ({cause}); the last one is kept, as it was") from None
+    if rename:
+        if os.path.isdir(path):  # os.replace swaps files atomically, but refuses a directory that is not empty
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+
+
+def require_epochs_left(epochs_run, total_epochs, snapshot_path):
+    """Stop with one line when a snapshot already holds all the epochs asked for: a finished job run again."""
+    if epochs_run >= total_epochs:
+        raise SystemExit(f"error: {snapshot_path} holds {epochs_run} epochs already, and TOTAL_EPOCHS is "
+                         f"{total_epochs}: nothing to train. Ask for more epochs, or move it away to start anew")
+
+
+def require_same_arguments(args, ignore=("snapshot_path",)):
+    """Stop every rank with one line, before any training, when the nodes were started with different arguments
+    (TOTAL_EPOCHS, SAVE_EVERY, the batch size, the workload...): their collectives would not match, and the job would
+    crash with a gloo abort or wait out --timeout. A collective: call it on every rank, right after the process group
+    forms. The snapshot path may differ (nodes can mount shared storage at different places)."""
+    mine = {name: value for name, value in vars(args).items() if name not in ignore}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone[1:], start=1):  # every rank compares the same pairs: all say the same
+        different = [name for name in everyone[0] if theirs.get(name) != everyone[0][name]]
+        if different:
+            name = different[0]
+            raise SystemExit(f"error: the nodes were started with different arguments: {name} is {everyone[0][name]} "
+                             f"on rank 0 but {theirs[name]} on rank {rank}; start every node with the same command")

@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
-                   free_port, log_rank_metrics, require_a_gpu_each)
+                   log_rank_metrics, rendezvous_port, replacing, require_a_gpu_each, stop_workers_on_signals)
+
 
 # TODO 1: ddp_setup(rank, world_size, timeout_s): init_process_group (gloo on CPU, nccl on GPU) with a timeout
 
@@ -57,7 +58,8 @@ class Trainer:
               f"{samples_per_s:,.0f} samples/s")
 
     def _save_checkpoint(self, epoch):
-        torch.save(self.model.state_dict(), "checkpoint.pt")  # TODO 6: the model inside DDP
+        with replacing("checkpoint.pt") as tmp:  # written to a file of its own, then renamed over the last one at once
+            torch.save(self.model.state_dict(), tmp)  # TODO 6: the model inside DDP
         print(f"{self.tag} epoch {epoch} | checkpoint saved to checkpoint.pt")
 
     def train(self, max_epochs):

@@ -17,15 +17,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
-                   log_rank_metrics, require_torchrun)
+from utils import (WORKLOADS, attempt_store, configure_cpu_threads, evaluate, exit_without_teardown, make_workload,
+                   positive_int, log_rank_metrics, reason, replacing, require_epochs_left, require_torchrun,
+                   writable_path)
 
 
 def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process drives its own GPU
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet at MASTER_ADDR:PORT
-                            timeout=timedelta(seconds=timeout_s))  # hang -> error
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet in torchrun's store,
+                            store=attempt_store(timeout_s), rank=int(os.environ["RANK"]),  # under this attempt's keys
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
 
 
 class Trainer:
@@ -67,12 +69,13 @@ class Trainer:
             print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
                   f"{samples_per_s:,.0f} samples/s")
 
-    def _save_checkpoint(self, epoch):  # TODO 3: a snapshot: model, optimizer and epochs run, written atomically
-        torch.save(self.model.module.state_dict(), "checkpoint.pt")  # .module: the model inside DDP
+    def _save_checkpoint(self, epoch):  # TODO 3: a snapshot: model, optimizer and epochs run, replacing the last
+        with replacing("checkpoint.pt") as tmp:  # written to a file of its own, then renamed over the last one at once
+            torch.save(self.model.module.state_dict(), tmp)  # .module: the model inside DDP
         print(f"{self.tag} epoch {epoch} | checkpoint saved to checkpoint.pt")
 
     def train(self, max_epochs):
-        for epoch in range(max_epochs):  # TODO 4: start after the epochs already run
+        for epoch in range(max_epochs):  # TODO 4: start after the epochs already run (none left: say so)
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 if self.rank == 0:  # the replicas are identical: one writer is enough
@@ -111,7 +114,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")
     parser.add_argument("--workload", default="synthetic", choices=WORKLOADS, help="What to train")
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
-    # TODO 5: --snapshot_path (default snapshot.pt): where to save and resume from
+    # TODO 5: --snapshot_path (default snapshot.pt, type=writable_path): where to save and resume from
     args = parser.parse_args()
 
     require_torchrun()  # a clear error for plain `python`, or more processes than GPUs

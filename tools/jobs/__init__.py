@@ -14,13 +14,14 @@ for the job to go on). `run()` starts a job and waits for it.
 The environment: the CPU (gloo) unless gpu=True, one compute thread per process, unbuffered output, and the
 repository on PYTHONPATH (a learner's script elsewhere still imports `utils`). With record=True the job's processes
 load recorder/sitecustomize.py, which records each torch.save and the samples each rank trains on, epoch by epoch;
-record_steps=True adds every optimizer step (its learning rate, and the gradient all-reduces DDP ran for it); kill_at
-and skip_all_reduce inject faults through it (its docstring says how).
+record_steps=True adds every optimizer step (its learning rate, and the gradient all-reduces DDP ran for it); kill_at,
+skip_all_reduce and stall_init inject faults through it (its docstring says how).
 """
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,11 +34,18 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]  # the `torchrun` command, from this interpreter
 RECORDER = Path(__file__).resolve().parent / "recorder"
-# With torch >= 2.5 the workers of a torchrun that restarts them meet again in the rendezvous store the killed ones
-# used, whose stale addresses can stall the new process group (pytorch#135712); this gives each attempt its own.
+# torchrun's switch for a fresh rendezvous store per attempt. The steps no longer need it (utils.attempt_store gives
+# each attempt keys of its own in torchrun's shared store); tests use it to check that the other path works too.
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def free_port(host="127.0.0.1"):
+    """A TCP port nobody listens on right now (the OS picks it), for a rendezvous on this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def script(name):
@@ -80,7 +88,8 @@ def machine_summary():
             + f", torch {torch.__version__}{load}")
 
 
-def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_reduce=None, record_steps=False):
+def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_reduce=None, stall_init=None,
+                record_steps=False):
     """The environment of a job's processes (see the module's docstring); `extra` last (a value None removes a
     variable; a PYTHONPATH in it goes before the repository's)."""
     extra = dict(extra or {})
@@ -88,7 +97,7 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU jobs stay CPU jobs on a machine with GPUs
-    paths = [str(RECORDER)] if record_dir or kill_at or skip_all_reduce else []
+    paths = [str(RECORDER)] if record_dir or kill_at or skip_all_reduce or stall_init is not None else []
     paths += [str(extra.pop("PYTHONPATH", "")), str(REPO), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     if record_dir:
@@ -99,6 +108,8 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
         env["JOB_KILL_AT"] = ":".join(map(str, kill_at))
     if skip_all_reduce:
         env["JOB_SKIP_ALL_REDUCE"] = ":".join(map(str, skip_all_reduce))
+    if stall_init is not None:
+        env["JOB_STALL_INIT"] = str(stall_init)
     for name, value in extra.items():
         if value is None:
             env.pop(name, None)
@@ -116,13 +127,14 @@ class Job:
     """
 
     def __init__(self, *commands, cwd, env=None, node_env=None, gpu=False, record=False, kill_at=None,
-                 skip_all_reduce=None, logs=None, record_steps=False):
+                 skip_all_reduce=None, stall_init=None, logs=None, record_steps=False):
         cwds = list(cwd) if isinstance(cwd, (list, tuple)) else [cwd] * len(commands)
         self.commands = [[str(part) for part in command] for command in commands]
         self.logs_dir = Path(logs or cwds[0])
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.recorded = record = record or record_steps
-        env = environment(env, gpu, self.logs_dir if record else None, kill_at, skip_all_reduce, record_steps)
+        env = environment(env, gpu, self.logs_dir if record else None, kill_at, skip_all_reduce, stall_init,
+                          record_steps)
         self.logs = [self.logs_dir / f"node{node}.log" for node in range(len(commands))]
         self.began, self.timeline, self.codes = time.monotonic(), [], None
         self._offsets, self._queue = [0] * len(commands), []

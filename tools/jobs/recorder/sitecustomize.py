@@ -20,6 +20,8 @@ changed; without the variables nothing happens.
   known point (the epoch counts passes over the DataLoader when the sampler has no set_epoch).
 - JOB_SKIP_ALL_REDUCE=`RANK:N`: the process of that global rank skips its N-th torch.distributed.all_reduce and
   sleeps instead, never arriving: the classic bug of a collective inside `if rank == 0:`, or a rank stuck in I/O.
+- JOB_STALL_INIT=`RANK`: the process of that global rank never reaches init_process_group (it sleeps instead): a
+  rank stuck before the process group forms, or one whose address cannot be reached.
 """
 import os
 
@@ -27,6 +29,7 @@ RECORD_DIR = os.environ.get("JOB_RECORD_DIR")
 RECORD_STEPS = RECORD_DIR and os.environ.get("JOB_RECORD_STEPS")
 KILL_AT = os.environ.get("JOB_KILL_AT")
 SKIP_ALL_REDUCE = os.environ.get("JOB_SKIP_ALL_REDUCE")
+STALL_INIT = os.environ.get("JOB_STALL_INIT")
 
 
 def _rank():
@@ -142,3 +145,18 @@ if SKIP_ALL_REDUCE:
         return _all_reduce(*args, **kwargs)
 
     dist.all_reduce = _all_reduce_but_skip_one
+
+if STALL_INIT:
+    import time
+
+    import torch.distributed as dist
+
+    _init_process_group = dist.init_process_group
+
+    def _stalling_init_process_group(*args, **kwargs):
+        if os.environ.get("RANK") == STALL_INIT:
+            print(f"[job] rank {STALL_INIT} does not reach init_process_group", flush=True)
+            time.sleep(120)  # ended by the launcher once the other ranks have failed; bounded all the same
+        return _init_process_group(*args, **kwargs)
+
+    dist.init_process_group = _stalling_init_process_group

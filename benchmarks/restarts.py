@@ -1,0 +1,83 @@
+"""Restart reliability: how often the tutorial's torchrun job resumes after a worker is SIGKILLed, and how long it takes.
+
+    python benchmarks/restarts.py --kills 10              # 10 jobs on one node (2 processes), one kill each
+    python benchmarks/restarts.py --kills 3 --nnodes 2    # two torchrun agents on this machine, one process each
+    python benchmarks/restarts.py --kills 10 --fresh_store   # with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
+Each job is `multigpu_torchrun.py` (or `multinode.py` on two nodes) with `--max_restarts=1` and torchrun's shared
+rendezvous store, as the tutorial's command runs it. Once the first snapshot is saved, a worker (the last rank; on two
+nodes, node 1's) is SIGKILLed after a random pause of up to an epoch (seeded: the same moments every run). A kill
+counts as recovered when the restarted workers print `resuming from epoch N` and the job exits 0; the times run from
+the kill to that line. Failed restarts show up as restarts that never resume (torchrun then gives up: exit non-zero)
+and as gloo's connection errors in the output.
+"""
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.jobs import FRESH_STORE, free_port, machine_summary, output, start, torchrun, torchrun_node  # noqa: E402
+from utils import positive_int  # noqa: E402
+
+ARGS = (20, 1, "--batch_size", 8, "--timeout", 30)  # 20 epochs, a snapshot after each, ~1 s per epoch here
+
+
+def one_kill(number, args, pause):
+    """Start a job, kill a worker `pause` s after the first snapshot; (resumed, seconds to resume, exit codes,
+    gloo errors seen)."""
+    with tempfile.TemporaryDirectory(prefix="restarts-") as workdir:
+        if args.nnodes == 1:
+            commands = [torchrun("multigpu_torchrun.py", *ARGS, launcher_args=["--max_restarts=1"])]
+        else:
+            node = torchrun_node("multinode.py", *ARGS, endpoint=f"127.0.0.1:{free_port()}", run_id=f"kill{number}",
+                                 launcher_args=["--max_restarts=1"])
+            commands = [node] * args.nnodes
+        with start(*commands, cwd=workdir, env=FRESH_STORE if args.fresh_store else None) as job:
+            job.wait_for(output.SAVED, timeout=args.timeout)
+            time.sleep(pause)
+            victims = job.workers(node=args.nnodes - 1)
+            job.kill_worker(rank=max(victims), node=args.nnodes - 1)
+            killed = time.monotonic()
+            try:
+                job.wait_for(output.RESUMED, timeout=args.timeout)
+                to_resume = time.monotonic() - killed
+            except AssertionError:  # the job ended, or the time ran out, without resuming
+                to_resume = None
+            codes = job.wait(timeout=args.timeout)
+        text = job.output
+    errors = text.count("connectFullMesh") + text.count("Connection refused")
+    return to_resume is not None and codes == [0] * args.nnodes, to_resume, codes, errors
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kills", type=positive_int, default=10, help="jobs to run, one kill each (default 10)")
+    parser.add_argument("--nnodes", type=int, choices=[1, 2], default=1, help="torchrun agents (default 1)")
+    parser.add_argument("--fresh_store", action="store_true", help="set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    parser.add_argument("--seed", type=int, default=0, help="for the kills' random moments")
+    parser.add_argument("--timeout", type=positive_int, default=120, help="seconds each stage may take")
+    args = parser.parse_args()
+    moments = random.Random(args.seed)
+    print(f"{args.kills} jobs, {args.nnodes} node(s), torchrun's {'fresh' if args.fresh_store else 'shared'} store "
+          f"per attempt; {machine_summary()}", flush=True)
+    print("| job | killed after the first snapshot | resumed | kill -> resume | exit codes | gloo errors |\n"
+          "|---:|---:|---|---:|---|---:|")
+    results = []
+    for number in range(args.kills):
+        pause = moments.uniform(0, 1.2)
+        results.append(one_kill(number, args, pause))
+        ok, seconds, codes, errors = results[-1]
+        print(f"| {number} | {pause:.2f} s | {'yes' if ok else 'NO'} | "
+              f"{'-' if seconds is None else f'{seconds:.1f} s'} | {codes} | {errors} |", flush=True)
+    times = [seconds for ok, seconds, _, _ in results if ok]
+    print(f"\nresumed {len(times)} of {args.kills}" + (f"; kill -> resume median {statistics.median(times):.1f} s, "
+                                                    f"max {max(times):.1f} s" if times else "")
+          + f"\nat the end: {machine_summary()}")
+
+
+if __name__ == "__main__":
+    main()

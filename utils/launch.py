@@ -1,0 +1,117 @@
+"""What the launchers (torchrun, mp.spawn) need that the steps do not teach: a store that is this torchrun attempt's
+own, workers that stop with their launcher, signals passed on to the workers, and a rendezvous port that is checked.
+"""
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import torch.distributed as dist
+
+POLL_S = 0.05
+
+
+def _stop(message):
+    """End this process at once with one line (from any thread: a worker thread cannot raise in the main one)."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def _watch(timeout_s, launcher_pid):
+    """Background duties of a torchrun worker: stop if its process group has not formed within timeout_s, and stop as
+    soon as its launcher is gone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not dist.is_initialized() and time.monotonic() > deadline:
+            _stop(f"error: rank {os.environ.get('RANK')}: the process group did not form within --timeout "
+                  f"{timeout_s} s: a rank did not arrive, or its address cannot be reached (see the troubleshooting "
+                  "docs)")
+        if os.getppid() != launcher_pid:  # torchrun was killed (SIGKILL leaves it no time to stop its workers)
+            _stop(f"error: rank {os.environ.get('RANK')}: torchrun (pid {launcher_pid}) is gone, so this worker "
+                  "stops; run the same command again to resume from the last snapshot")
+        time.sleep(1 if dist.is_initialized() else POLL_S)
+
+
+def attempt_store(timeout_s):
+    """The store the workers of this torchrun attempt form their process group in: pass it to init_process_group.
+
+    Why: since torch 2.6, torchrun keeps one store for the whole job and hands it to every attempt's workers, and the
+    process group writes each rank's address under the same keys at every attempt. After a restart, a rank can read
+    the address of a peer that died with the previous attempt: init_process_group then fails, or waits 5 x its
+    timeout (pytorch#135712; TORCHELASTIC_RESTART_COUNT cannot tell attempts apart, each node counts only its own).
+    How: torchrun stops every worker of an attempt before it starts the next, so rank 0 deletes the other ranks'
+    hello keys; each of them writes a fresh random nonce there until rank 0 answers with that nonce and a number from
+    store.add, new at every attempt; all ranks then keep their keys under that number. When torchrun gives each
+    attempt a store of its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or torch < 2.5), there is nothing to do:
+    None, and init_process_group uses the usual env:// rendezvous.
+
+    It also bounds this worker's life: if the process group has not formed within timeout_s it stops with one line
+    (gloo's own connect can wait 5 x the timeout), and if torchrun is gone it stops with one line instead of
+    training on alone, writing the snapshot a new job reads.
+    """
+    threading.Thread(target=_watch, args=(timeout_s, os.getppid()), daemon=True).start()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    deadline = time.monotonic() + timeout_s
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          timeout=timedelta(seconds=timeout_s))
+    if rank == 0:
+        attempt = str(store.add("attempts", 1))
+        for other in range(1, world_size):
+            store.delete_key(f"hello/{other}")  # a dead worker's, or a live one's: that one writes it again
+        for other in range(1, world_size):
+            store.wait([f"hello/{other}"], timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            store.set(f"answer/{other}", store.get(f"hello/{other}").decode() + ":" + attempt)
+    else:
+        nonce = uuid.uuid4().hex
+        while True:
+            store.set(f"hello/{rank}", nonce)
+            if store.check([f"answer/{rank}"]):
+                quoted, _, attempt = store.get(f"answer/{rank}").decode().partition(":")
+                if quoted == nonce:  # no earlier attempt can have written this nonce
+                    break
+            time.sleep(POLL_S)  # the watch above stops this process when the time is up
+    return dist.PrefixStore(f"attempt{attempt}", store)
+
+
+def stop_workers_on_signals():
+    """In the process that starts the workers with mp.spawn: SIGINT (Ctrl-C, `kill -INT`) and SIGTERM stop the workers
+    too, at once, and end this process with one line. Without it only this process is interrupted, and Python's exit
+    then waits for the workers, which train on to the last epoch."""
+    def stop(signum, _frame):
+        for worker in multiprocessing.active_children():
+            worker.terminate()  # SIGTERM: the files they write are replaced atomically, so none is left half written
+        for worker in multiprocessing.active_children():
+            worker.join(timeout=10)
+        raise SystemExit(f"error: stopped by {signal.Signals(signum).name}, with every worker; the checkpoint on disk "
+                         "is the last one saved")
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+
+
+def rendezvous_port(host="127.0.0.1"):
+    """MASTER_PORT for workers of this machine: the user's, checked (a whole number, 1-65535, free), else a free one.
+
+    A bad or busy port would otherwise surface seconds later, as a traceback in every spawned process."""
+    chosen = os.environ.get("MASTER_PORT")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            port = int(chosen) if chosen else 0
+            if not 0 <= port <= 65535 or (chosen and port == 0):
+                raise ValueError
+            sock.bind((host, port))
+        except ValueError:
+            raise SystemExit(f"error: MASTER_PORT={chosen} is not a port number (1-65535): unset it to use a free "
+                             "one") from None
+        except OSError as error:
+            raise SystemExit(f"error: MASTER_PORT={chosen} cannot be used ({error.strerror}): choose another, or "
+                             "unset it to use a free one") from None
+        return str(sock.getsockname()[1])
