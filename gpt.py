@@ -1,5 +1,4 @@
-"""Step 6 - a small GPT, trained with the loop practitioners ship: gradient accumulation, mixed precision, clipping,
-a learning-rate schedule, torch.compile, and snapshots complete enough to resume bit for bit.
+"""Step 6 - a small GPT, trained with the loop practitioners ship: accumulation, mixed precision, clipping, a schedule.
 
     torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job1 --rdzv_backend=c10d --rdzv_endpoint=HEAD:29500 \
         gpt.py 50 10 --precision bf16 --compile      # the same command on every node; HEAD: the first node
@@ -16,16 +15,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
-                   log_rank_metrics, require_torchrun)
+from utils import (WORKLOADS, attempt_store, configure_cpu_threads, evaluate, exit_without_teardown, make_workload,
+                   positive_int, log_rank_metrics, reason, replacing, require_epochs_left, require_same_arguments,
+                   require_torchrun, writable_path)
 from utils.gpt import check_options, generate, mfu, rng_state, set_rng_state, warmup_cosine
 
 
 def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process drives its own GPU
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet at MASTER_ADDR:PORT
-                            timeout=timedelta(seconds=timeout_s))  # hang -> error
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet in torchrun's store,
+                            store=attempt_store(timeout_s), rank=int(os.environ["RANK"]),  # under this attempt's keys
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
 
 
 class Trainer:
@@ -38,9 +39,9 @@ class Trainer:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.save_every = save_every
-        self.args = args  # K = args.grad_accum micro-batches make one optimizer step
-        steps = args.total_epochs * -(-len(train_data) // args.grad_accum)  # optimizer steps in the whole run
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps))  # warm-up, cosine
+        self.args, self.steps_per_epoch = args, -(-len(train_data) // args.grad_accum)  # K micro-batches a step
+        schedule = warmup_cosine(args.total_epochs * self.steps_per_epoch)  # factor per optimizer step: warm-up, cosine
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 gradients underflow
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)  # None: fp32
         torch.manual_seed(1 + self.global_rank)  # dropout: every rank draws its own masks (the weights are built)
@@ -68,8 +69,8 @@ class Trainer:
             set_rng_state(snapshot["RNG_STATES"][self.global_rank])  # this rank's dropout, where it left off
             epochs_run = snapshot["EPOCHS_RUN"]
         except Exception as error:  # garbage bytes, another model's snapshot, a missing key
-            raise SystemExit(f"error: cannot resume from {self.snapshot_path} ({type(error).__name__}: "
-                             f"{str(error).splitlines()[0]}); it is left in place: move it away to start anew")
+            raise SystemExit(f"error: cannot resume from {self.snapshot_path} ({reason(error)}); it is left in place: "
+                             "move it away to start anew")
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
         return epochs_run
 
@@ -99,13 +100,13 @@ class Trainer:
             micro_batches = min(K, batches - i // K * K)  # K, or what is left for the epoch's last step
             totals[0] += self._run_batch(source, targets, micro_batches, i % K + 1 == micro_batches) * len(source)
             totals[1] += len(source)
-        log_rank_metrics(epoch, -(-batches // K), totals, start)  # this rank's own totals, not summed over ranks
+        log_rank_metrics(epoch, self.steps_per_epoch, totals, start)  # this rank's own totals, not summed over ranks
         dist.all_reduce(totals)  # summed over ranks (gloo has no AVG): the loss below is every rank's mean
         mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
         tokens_per_s = totals[1].item() * source.shape[1] / (time.perf_counter() - start)  # the whole job's
         utilisation = mfu(self.model, tokens_per_s / dist.get_world_size(), self.device)  # None on a CPU
         if self.global_rank == 0:
-            print(f"{self.tag} epoch {epoch} | steps {-(-batches // K)} | loss {mean_loss:.4f} | "
+            print(f"{self.tag} epoch {epoch} | steps {self.steps_per_epoch} | loss {mean_loss:.4f} | "
                   f"{tokens_per_s:,.0f} tokens/s" + (f" | MFU {utilisation:.1%}" if utilisation else ""))
 
     def _save_snapshot(self, epoch, rng_states):
@@ -113,11 +114,12 @@ class Trainer:
                         SCHEDULER_STATE=self.scheduler.state_dict(), SCALER_STATE=self.scaler.state_dict(),
                         RNG_STATES=rng_states, STEPS_RUN=self.scheduler.last_epoch,
                         EPOCHS_RUN=epoch + 1)  # all it takes to go on exactly (the data order is the sampler's)
-        torch.save(snapshot, f"{self.snapshot_path}.tmp")
-        os.replace(f"{self.snapshot_path}.tmp", self.snapshot_path)  # atomic: a crash leaves the last one whole
+        with replacing(self.snapshot_path) as tmp:  # to a file of its own, then renamed over the last one: atomic, a
+            torch.save(snapshot, tmp)  # crash leaves the last snapshot whole; a failed write is removed and named
         print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
+        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)  # a finished job run again says so
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
@@ -140,6 +142,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 def main(args):
     check_options(args.precision, args.compile)  # fp16 without CUDA, --compile without a compiler: one line
     ddp_setup(args.timeout)
+    require_same_arguments(args)  # every node started with the same command? Else all stop here, with one line
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only the processes of this node share its cores
     workload = load_train_objs(args.workload)
@@ -163,7 +166,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")
     parser.add_argument("--workload", default="gpt", choices=[w for w in WORKLOADS if w.startswith("gpt")])
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
-    parser.add_argument("--snapshot_path", default="gpt_snapshot.pt", help="Where to save and resume from")
+    parser.add_argument("--snapshot_path", default="snapshot.pt", type=writable_path, help="Where to save and resume")
     parser.add_argument("--grad_accum", default=1, type=positive_int, help="Micro-batches per optimizer step (K)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="fp16: CUDA only")
     parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step")

@@ -14,12 +14,13 @@ def assert_learned(text, epochs):
 
 def assert_one_writer(writes, expected_path):
     """Exactly one process wrote files, it was rank 0 (or the only process), and it wrote `expected_path` (through
-    its .tmp file, renamed when complete)."""
+    its temporary file, `.tmp` or `.<pid>.tmp` (utils.replacing), renamed when complete)."""
     assert writes, "nothing was saved"
     writers = {(pid, rank) for pid, rank, _ in writes}
     assert len(writers) == 1, f"more than one process wrote: {writers}"
     assert {rank for _, rank in writers} <= {0, None}, f"the writer is not rank 0: {writers}"
-    assert {path for _, _, path in writes} <= {str(expected_path), f"{expected_path}.tmp"}, writes
+    assert all(path in {str(expected_path), f"{expected_path}.tmp", f"{expected_path}.{pid}.tmp"}
+               for pid, _, path in writes), writes
 
 
 def assert_loads_into_fresh_model(path, key=None, workload="synthetic"):
