@@ -101,18 +101,20 @@ if RECORD_STEPS:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     _steps, _buckets, _rounds = [0], [0], []  # optimizer steps taken; since the last one: buckets, rounds' squares
+    # (a list per round of its buckets' summed squares: appended, never added in place, because the buckets'
+    # all-reduces complete on gloo's threads, possibly at once, and `+=` from two threads can lose one)
 
     def _counting_all_reduce(state, bucket):
         """DDP's own all-reduce of one bucket of gradients (the default hook), counted. DDP hands a backward's
         buckets over in order, from bucket 0; their all-reduces may complete in any order."""
         if bucket.index() == 0:
-            _rounds.append([0.0])  # a new round: the sum of its buckets' squared gradients
+            _rounds.append([])  # a new round
         squares = _rounds[-1]
         _buckets[0] += 1
 
         def note(future):
             averaged = future.value()
-            squares[0] += float(averaged.double().pow(2).sum())
+            squares.append(float(averaged.double().pow(2).sum()))
             return averaged
 
         return allreduce_hook(None, bucket).then(note)
@@ -121,7 +123,7 @@ if RECORD_STEPS:
         _append("steps.jsonl", json.dumps(dict(
             pid=os.getpid(), rank=_rank(), restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             step=_steps[0], lr=optimizer.param_groups[0]["lr"], rounds=len(_rounds), buckets=_buckets[0],
-            grad_norms=[math.sqrt(squares[0]) for squares in _rounds])))
+            grad_norms=[math.sqrt(math.fsum(squares)) for squares in _rounds])))
         _steps[0] += 1
         _buckets[0] = 0
         _rounds.clear()
