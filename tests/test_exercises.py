@@ -113,7 +113,8 @@ def test_a_snapshot_that_stores_the_finished_epoch_repeats_it_after_the_kill(tmp
 def test_starting_file_4_steps_after_every_micro_batch_and_the_checker_says_so(tmp_path):
     problems = checked(4, REPO / STARTS[4], tmp_path)
     assert problems == ("rank 0 took 16 optimizer steps in 2 epochs, expected 8: with --grad_accum 2, step the "
-                        "optimizer once per 2 micro-batches (when `last` is True), not after every micro-batch"), problems
+                        "optimizer once per 2 micro-batches (when `last` is True), not after every micro-batch"), \
+        problems
 
 
 def test_accumulating_without_no_sync_shows_as_one_all_reduce_per_micro_batch(tmp_path):

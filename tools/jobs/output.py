@@ -19,8 +19,9 @@ HELD_OUT = re.compile(TAG + r" held-out (?P<samples>\d+) samples \| loss (?P<los
 SAMPLE = re.compile(TAG + r" sample after (?P<steps>\d+) optimizer steps:\n(?P<text>(?:  \| .*(?:\n|$))*)")
 ERROR = re.compile(r"^error: .*$", re.M)  # the one line a step prints when it stops on bad input or a fault
 # What launchers and the C++ layer print around the steps' own lines: torchrun's log records ([W1122 12:00:00...]),
-# the rank-prefixed traceback of a worker that failed ([rank1]: ...), C++ stack frames.
-LAUNCHER_NOISE = re.compile(r"^(?:\[?[WEI]\d{4} |\[rank\d+\]:|frame #|Exception raised from|\s|$)")
+# the rank-prefixed traceback of a worker that failed ([rank1]: ...), C++ stack frames, indented lines (but not the
+# "  | " lines of gpt.py's sample).
+LAUNCHER_NOISE = re.compile(r"^(?:\[?[WEI]\d{4} |\[rank\d+\]:|frame #|Exception raised from|\s(?! \| )|$)")
 
 
 def epoch_losses(output):
