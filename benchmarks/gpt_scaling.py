@@ -154,8 +154,8 @@ def main():
     parser.add_argument("--grad_accum", type=positive_int, nargs="+", default=[1, 4], help="values of K (default 1 4)")
     parser.add_argument("--rounds", type=positive_int, default=3, help="measured turns of each kind (default 3)")
     parser.add_argument("--batch_size", type=positive_int, default=8, help="micro-batch per process (default 8)")
-    parser.add_argument("--chars", type=positive_int, default=60000,
-                        help="characters of Python's help pages to train on (default 60000: ~840 sequences)")
+    parser.add_argument("--chars", type=positive_int, default=30000,
+                        help="characters of Python's help pages to train on (default 30000: ~420 sequences)")
     parser.add_argument("--timeout", type=positive_int, default=600, help="seconds one world size may take")
     parser.add_argument("--plot", default=str(REPO / "benchmarks" / "results" / "gpt_scaling.png"),
                         help="PNG to write (default benchmarks/results/gpt_scaling.png)")
