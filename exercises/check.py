@@ -317,8 +317,11 @@ def accumulation_reference(text):
     try:
         workload = make_workload("gpt-cpu")
     finally:
-        for name, value in saved.items():
-            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+        for name, value in saved.items():  # as they were: the checker's other runs see what the learner set
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
     per_step = WORLD_SIZE * ACCUM_K * ACCUM_BATCH
     sampler = DistributedSampler(workload.train_set, num_replicas=1, rank=0)
     source, targets = next(iter(DataLoader(workload.train_set, batch_size=per_step, sampler=sampler)))
