@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools.jobs import FRESH_STORE, free_port, machine_summary, output, start, torchrun, torchrun_node  # noqa: E402
 from utils import positive_int  # noqa: E402
 
-ARGS = (20, 1, "--batch_size", 8, "--timeout", 30)  # 20 epochs, a snapshot after each, ~1 s per epoch here
+STEP_ARGS = (1, "--batch_size", 8, "--timeout", 30)  # a snapshot after every epoch (~1 s each here)
 
 
 def one_kill(number, args, pause):
@@ -31,9 +31,9 @@ def one_kill(number, args, pause):
     gloo errors seen)."""
     with tempfile.TemporaryDirectory(prefix="restarts-") as workdir:
         if args.nnodes == 1:
-            commands = [torchrun("multigpu_torchrun.py", *ARGS, launcher_args=["--max_restarts=1"])]
+            commands = [torchrun("multigpu_torchrun.py", args.epochs, *STEP_ARGS, launcher_args=["--max_restarts=1"])]
         else:
-            node = torchrun_node("multinode.py", *ARGS, endpoint=f"127.0.0.1:{free_port()}", run_id=f"kill{number}",
+            node = torchrun_node("multinode.py", args.epochs, *STEP_ARGS, endpoint=f"127.0.0.1:{free_port()}", run_id=f"kill{number}",
                                  launcher_args=["--max_restarts=1"])
             commands = [node] * args.nnodes
         with start(*commands, cwd=workdir, env=FRESH_STORE if args.fresh_store else None) as job:
@@ -58,6 +58,7 @@ def main():
     parser.add_argument("--kills", type=positive_int, default=10, help="jobs to run, one kill each (default 10)")
     parser.add_argument("--nnodes", type=int, choices=[1, 2], default=1, help="torchrun agents (default 1)")
     parser.add_argument("--fresh_store", action="store_true", help="set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    parser.add_argument("--epochs", type=positive_int, default=20, help="epochs per job (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="for the kills' random moments")
     parser.add_argument("--timeout", type=positive_int, default=120, help="seconds each stage may take")
     args = parser.parse_args()

@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))  # run as `python exercises/check.py` from anywher
 
 import torch  # noqa: E402
 
-from tools.jobs import PYTHON, free_port, run, shown, torchrun, torchrun_node  # noqa: E402
+from tools.jobs import PYTHON, free_port, run, saved_as, shown, torchrun, torchrun_node  # noqa: E402
 from tools.jobs.output import epoch_losses  # noqa: E402
 from utils import make_workload  # noqa: E402
 
@@ -133,7 +133,7 @@ def writer_problems(writes, multinode=False):
     if not writes:
         return ["nothing was saved: save every save_every epochs (and after the last one)"]
     ranks = sorted({rank for _, rank, _ in writes}, key=str)
-    files = sorted({Path(path).name for _, _, path in writes if not path.endswith(".tmp")})
+    files = sorted({Path(saved_as(path)).name for _, _, path in writes})
     if len(ranks) > 1:
         fix = ("only global rank 0 (RANK, or dist.get_rank()) should write; LOCAL_RANK is 0 on every node"
                if multinode else "the replicas are identical, so one writer is enough: `if self.rank == 0:`")
@@ -146,7 +146,7 @@ def writer_problems(writes, multinode=False):
 def last_saved(writes, workdir):
     """The file the job saved last (a .tmp written then renamed counts under its final name), or None."""
     for _, _, path in reversed(writes):
-        final = Path(path[:-len(".tmp")] if path.endswith(".tmp") else path)
+        final = Path(saved_as(path))
         if final.exists():
             return final
     return None

@@ -1,7 +1,7 @@
 """What a correct run of a step shows: assertions that several test files make about a finished job."""
 import torch
 
-from tools.jobs import output
+from tools.jobs import output, saved_as
 from utils import make_workload
 
 
@@ -13,34 +13,16 @@ def assert_learned(text, epochs):
 
 
 def assert_one_writer(writes, expected_path):
-    """Exactly one process wrote files, it was rank 0 (or the only process), and it wrote `expected_path` (through
-    its temporary file, `.tmp` or `.<pid>.tmp` (utils.replacing), renamed when complete)."""
+    """Exactly one process wrote files, it was rank 0 (or the only process), and it wrote `expected_path` (through a
+    temporary file of its own, renamed when complete)."""
     assert writes, "nothing was saved"
     writers = {(pid, rank) for pid, rank, _ in writes}
     assert len(writers) == 1, f"more than one process wrote: {writers}"
     assert {rank for _, rank in writers} <= {0, None}, f"the writer is not rank 0: {writers}"
-    assert all(path in {str(expected_path), f"{expected_path}.tmp", f"{expected_path}.{pid}.tmp"}
-               for pid, _, path in writes), writes
+    assert {saved_as(path) for _, _, path in writes} == {str(expected_path)}, writes
 
 
 def assert_loads_into_fresh_model(path, key=None, workload="synthetic"):
     """The file holds a plain model's state_dict (under `key` in a snapshot) that loads into a new model."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     make_workload(workload).model.load_state_dict(state[key] if key else state)  # raises on a wrong tensor
-
-
-def assert_bitwise_equal(actual, expected, where="snapshot"):
-    """Every tensor equal bit for bit (torch.equal, same dtype), every other value equal, at any depth."""
-    assert type(actual) is type(expected), f"{where}: {type(actual).__name__} != {type(expected).__name__}"
-    if isinstance(expected, torch.Tensor):
-        assert actual.dtype == expected.dtype and torch.equal(actual, expected), f"{where} differs"
-    elif isinstance(expected, dict):
-        assert actual.keys() == expected.keys(), f"{where}: keys {list(actual)} != {list(expected)}"
-        for key in expected:
-            assert_bitwise_equal(actual[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
-        for index, (item, expected_item) in enumerate(zip(actual, expected)):
-            assert_bitwise_equal(item, expected_item, f"{where}[{index}]")
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"

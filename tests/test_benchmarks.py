@@ -60,6 +60,13 @@ def test_recovery_times_a_kill_against_a_cold_start(monkeypatch, capsys):
         assert lost[3] is None, text
 
 
+def test_restarts_counts_a_killed_job_that_resumes(monkeypatch, capsys):
+    text = run_benchmark(monkeypatch, capsys, "restarts.py", "--kills", 1, "--epochs", 4, "--timeout", 60)
+    assert re.search(r"^1 jobs, 1 node\(s\), torchrun's shared store", text, re.M), text
+    assert re.search(r"^\| 0 \| [\d.]+ s \| yes \| [\d.]+ s \| \[0\] \| \d+ \|$", text, re.M), text
+    assert re.search(r"^resumed 1 of 1; kill -> resume median [\d.]+ s", text, re.M), text
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks what it says on a machine without CUDA")
 def test_dataparallel_against_ddp_says_what_it_compares_on_a_cpu(monkeypatch, capsys):
     text = run_benchmark(monkeypatch, capsys, "dataparallel_vs_ddp.py", "--workload", "synthetic", "--steps", 8,

@@ -308,12 +308,18 @@ class Job:
     def writers(self):
         """(ranks that wrote files, the files' names): a .tmp file counts under the name it was renamed to."""
         ranks = sorted({rank for _, rank, _ in self.writes}, key=str)
-        files = sorted({Path(path).name.removesuffix(".tmp") for _, _, path in self.writes})
+        files = sorted({Path(saved_as(path)).name for _, _, path in self.writes})
         return ranks, files
 
     def describe(self):
         return "; ".join(f"node {node}: `{shown(command)}` exited {code}"
                          for node, (command, code) in enumerate(zip(self.commands, self.codes or self.poll())))
+
+
+def saved_as(path):
+    """The file a recorded write ends up as: a temporary (`NAME.tmp`, or the steps' `NAME.PID.tmp`) counts under the
+    name it is renamed to once complete."""
+    return re.sub(r"(\.\d+)?\.tmp$", "", str(path))
 
 
 def recorded_writes(folder):
