@@ -110,7 +110,7 @@ def max_difference(a, b):
 
 def test_the_gpt_learns_reports_tokens_per_s_and_prints_a_sample(uninterrupted, text):
     """12 optimizer steps on 4,140 characters: the held-out loss falls below 0.85 of the untrained model's (~ln 64,
-    the excerpt's distinct characters; measured after: ~0.7 of it)."""
+    the excerpt's distinct characters)."""
     job = uninterrupted
     assert sorted(job.losses) == [0, 1, 2] and job.losses[2] < job.losses[0], job.output
     before, after = untrained_held_out_loss(text), output.held_out(job.output)["loss"]
