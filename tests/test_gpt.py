@@ -332,3 +332,7 @@ def test_fp16_with_a_gradient_scaler_trains_on_gpus_and_saves_the_scaler(tmp_pat
     assert scaler["scale"] > 0 and scaler["_growth_tracker"] >= 0, scaler
     rng = load(tmp_path / SNAPSHOT)["RNG_STATES"]
     assert all(cuda is not None for _, cuda in rng), "the CUDA generator's state (dropout on the GPU) is saved"
+    # the snapshot is loaded onto the GPU (map_location): its generator states must still go back in
+    resumed = run(torchrun("gpt.py", 3, 1, "--precision", "fp16", "--grad_accum", K, nproc=nproc), cwd=tmp_path,
+                  gpu=True, timeout=300)
+    assert "resuming from epoch 2" in resumed.output and sorted(resumed.losses) == [2], resumed.output

@@ -404,8 +404,9 @@ def rng_state():
 
 
 def set_rng_state(state):
-    """Put back a state rng_state() returned."""
+    """Put back a state rng_state() returned. Generator states are CPU byte tensors, wherever torch.load's
+    map_location put them (a snapshot loaded onto the GPU has them there)."""
     cpu, cuda = state
-    torch.set_rng_state(cpu)
+    torch.set_rng_state(cpu.cpu())
     if cuda is not None:
-        torch.cuda.set_rng_state(cuda)
+        torch.cuda.set_rng_state(cuda.cpu())
