@@ -3,6 +3,7 @@
     python exercises/check.py 1 my_ddp.py        # 1. one process -> DDP with mp.spawn
     python exercises/check.py 2 my_restart.py    # 2. survive a kill: snapshot and resume under torchrun
     python exercises/check.py 3 my_nodes.py      # 3. two nodes: one writer, and every node resumes alike
+    python exercises/check.py 4 my_accum.py      # 4. gradient accumulation with no_sync (the GPT of step 6)
 
 It prints what is missing or wrong, in the exercise's terms, and exits 0 only when everything is right. What the
 processes did (the samples each rank trained on, who saved which file) is recorded by tools/jobs, the same job
@@ -10,6 +11,7 @@ runner the repository's tests use.
 """
 import argparse
 import itertools
+import os
 import re
 import shutil
 import sys
@@ -25,7 +27,7 @@ from tools.jobs import PYTHON, free_port, run, saved_as, shown, torchrun, torchr
 from tools.jobs.output import epoch_losses  # noqa: E402
 from utils import make_workload  # noqa: E402
 
-EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes"}
+EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes", 4: "4_grad_accum"}
 WORLD_SIZE = 2
 COLLECTIVE_TIMEOUT_S = 60  # passed as --timeout: a stuck collective fails instead of hanging forever (slow starts pass)
 KILLED_EPOCH = 2  # exercise 2 kills rank 1 as it begins this epoch
@@ -294,7 +296,97 @@ def check_two_nodes(script, workdir, say):
     return []
 
 
-CHECKS = {1: check_ddp, 2: check_resume, 3: check_two_nodes}
+# --- exercise 4: gradient accumulation (self-contained: its own job, records and reference) --------------------------
+
+ACCUM_K, ACCUM_BATCH, ACCUM_EPOCHS = 2, 4, 2  # micro-batches per step, micro-batch per rank, epochs
+ACCUM_TEXT_CHARS = 4600  # a short excerpt of the help pages: 64 training blocks, so 4 optimizer steps an epoch
+
+
+def accumulation_reference(text):
+    """What a correct run's first optimizer step and schedule look like, computed here in one process without DDP
+    (dropout 0): the norm of the mean gradient over the step's 2 x K x b samples (the first 2Kb of the sampler's
+    epoch-0 order: rank r trains on positions r, r+2, ...), the peak learning rate and the optimizer steps of an
+    epoch."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE
+
+    saved = {name: os.environ.get(name) for name in (TEXT_VARIABLE, DROPOUT_VARIABLE)}
+    os.environ.update({TEXT_VARIABLE: str(text), DROPOUT_VARIABLE: "0"})
+    try:
+        workload = make_workload("gpt-cpu")
+    finally:
+        for name, value in saved.items():  # as they were: the checker's other runs see what the learner set
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+    per_step = WORLD_SIZE * ACCUM_K * ACCUM_BATCH
+    sampler = DistributedSampler(workload.train_set, num_replicas=1, rank=0)
+    source, targets = next(iter(DataLoader(workload.train_set, batch_size=per_step, sampler=sampler)))
+    workload.loss_fn(workload.model(source), targets).backward()
+    norm = torch.cat([p.grad.flatten() for p in workload.model.parameters()]).double().norm().item()
+    steps_per_epoch = -(-(len(workload.train_set) // WORLD_SIZE // ACCUM_BATCH) // ACCUM_K)
+    return norm, workload.optimizer.param_groups[0]["lr"], steps_per_epoch
+
+
+def accumulation_problems(steps, reference):
+    """What the recorded optimizer steps of rank 0 say about the accumulation: their number, the all-reduce rounds
+    each took, the size of the first one's gradient, and the learning rate each used."""
+    from utils.gpt import warmup_cosine
+
+    norm, peak_lr, steps_per_epoch = reference
+    expected_steps, K = ACCUM_EPOCHS * steps_per_epoch, ACCUM_K
+    if not steps:
+        return ["no optimizer step was taken (or the model was not wrapped in DDP)"]
+    if len(steps) != expected_steps:
+        return [f"rank 0 took {len(steps)} optimizer steps in {ACCUM_EPOCHS} epochs, expected {expected_steps}: "
+                f"with --grad_accum {K}, step the optimizer once per {K} micro-batches (when `last` is True), "
+                "not after every micro-batch"]
+    rounds = sorted({step["rounds"] for step in steps})
+    if rounds != [1]:
+        return [f"DDP all-reduced the gradients {listed(rounds)} time(s) per optimizer step, once per micro-batch: "
+                f"with --grad_accum {K} that is {K}x the communication. Run all but the last micro-batch inside "
+                "`with self.model.no_sync():`, the forward too (DDP decides in forward whether backward syncs)"]
+    ratio = steps[0]["grad_norms"][0] / norm
+    if abs(ratio - K) < 0.01 * K:
+        return [f"the gradient of an optimizer step is {ratio:.2f}x the mean over its micro-batches: the K={K} "
+                "micro-batches' gradients add up, so divide each micro-batch's loss by K (by `micro_batches`) "
+                "before backward"]
+    if abs(ratio - 1) > 0.01:
+        return [f"the gradient of the first optimizer step is {ratio:.2f}x the mean over its {K} micro-batches on "
+                f"{WORLD_SIZE} ranks, expected 1x: each step must average exactly those samples"]
+    factor = warmup_cosine(expected_steps)
+    for number, step in enumerate(steps):
+        expected = peak_lr * factor(number)
+        if abs(step["lr"] - expected) > 1e-6 * peak_lr:
+            return [f"optimizer step {number} used learning rate {step['lr']:.3g}, expected {expected:.3g}: the "
+                    "warm-up + cosine schedule counts optimizer steps, so call scheduler.step() once per optimizer "
+                    "step (after the last micro-batch), not once per micro-batch"]
+    return []
+
+
+def check_grad_accum(script, workdir, say):
+    """Exercise 4: 2 ranks, --grad_accum 2, dropout 0, on a short text; every optimizer step recorded (its learning
+    rate, and the gradient all-reduces DDP ran for it)."""
+    from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
+
+    text = workdir / "text.txt"
+    text.write_text(help_pages()[:ACCUM_TEXT_CHARS])
+    cmd = [*torchrun(script, ACCUM_EPOCHS, ACCUM_EPOCHS, nproc=WORLD_SIZE), "--workload", "gpt-cpu", "--batch_size",
+           ACCUM_BATCH, "--grad_accum", ACCUM_K, "--timeout", COLLECTIVE_TIMEOUT_S]
+    say(f"running: {shown(cmd)}   (dropout 0, on {ACCUM_TEXT_CHARS:,} characters of Python's help pages)")
+    job = run(cmd, cwd=workdir, logs=workdir / "records", record_steps=True, timeout=120, check=False,
+              env={TEXT_VARIABLE: text, DROPOUT_VARIABLE: 0})
+    job.limit = 120
+    problems = exit_problems(job)
+    if problems:
+        return problems
+    return accumulation_problems([step for step in job.steps if step["rank"] == 0], accumulation_reference(text))
+
+
+CHECKS = {1: check_ddp, 2: check_resume, 3: check_two_nodes, 4: check_grad_accum}
 
 
 def check(number, script, workdir, say=lambda line: None):
@@ -317,7 +409,7 @@ def main():
     if problems:
         sys.exit(f"{len(problems)} problem(s). Hints: exercises/{EXERCISES[args.exercise]}/hints.md")
     print(f"  ✓ all checks passed. Compare with the repository's step: "
-          f"{['multigpu.py', 'multigpu_torchrun.py', 'multinode.py'][args.exercise - 1]}")
+          f"{['multigpu.py', 'multigpu_torchrun.py', 'multinode.py', 'gpt.py'][args.exercise - 1]}")
 
 
 if __name__ == "__main__":

@@ -26,3 +26,20 @@ def assert_loads_into_fresh_model(path, key=None, workload="synthetic"):
     """The file holds a plain model's state_dict (under `key` in a snapshot) that loads into a new model."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     make_workload(workload).model.load_state_dict(state[key] if key else state)  # raises on a wrong tensor
+
+
+def assert_bitwise_equal(actual, expected, where="snapshot"):
+    """Every tensor equal bit for bit (torch.equal, same dtype), every other value equal, at any depth."""
+    assert type(actual) is type(expected), f"{where}: {type(actual).__name__} != {type(expected).__name__}"
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), f"{where} differs"
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), f"{where}: keys {list(actual)} != {list(expected)}"
+        for key in expected:
+            assert_bitwise_equal(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
+        for index, (item, expected_item) in enumerate(zip(actual, expected)):
+            assert_bitwise_equal(item, expected_item, f"{where}[{index}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"

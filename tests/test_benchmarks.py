@@ -75,3 +75,15 @@ def test_dataparallel_against_ddp_says_what_it_compares_on_a_cpu(monkeypatch, ca
     assert re.search(r"one process \(DataParallel is a no-op without CUDA\) +[\d,]+ samples/s", text)
     assert re.search(r"DDP, 2 processes +[\d,]+ samples/s", text)
     assert re.search(r"DDP / one process: [\d.]+x", text)
+
+
+def test_gpt_scaling_compares_ddp_with_the_ceiling_for_each_grad_accum(tmp_path, monkeypatch, capsys):
+    plot = tmp_path / "gpt_scaling.png"
+    text = run_benchmark(monkeypatch, capsys, "gpt_scaling.py", "--rounds", 1, "--grad_accum", 1, 2, "--chars", 3000,
+                         "--batch_size", 4, "--plot", plot)
+    rows = re.findall(r"^\| (\d) \| (\d) \| [\d,]+ \| ([\d.]+)x \| [\d,]+ \| ([\d.]+)x \| ([\d.]+) \|$", text, re.M)
+    assert [row[:2] for row in rows] == [("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")], text
+    assert rows[0][2:] == rows[2][2:] == ("1.00", "1.00", "1.00")  # one process is the yardstick for each K
+    assert re.search(r"^--grad_accum 2: 2 processes deliver [\d.]+ of the [\d.]+x ceiling \(goal >= 0.9\): (NOT )?met$",
+                     text, re.M), text
+    assert plot.read_bytes().startswith(b"\x89PNG")

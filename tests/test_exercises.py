@@ -8,8 +8,9 @@ import pytest
 from exercises.check import check
 from tools.jobs import PYTHON, REPO, run, script
 
-STEPS = {1: "multigpu.py", 2: "multigpu_torchrun.py", 3: "multinode.py"}
-STARTS = {1: "exercises/1_ddp/start.py", 2: "exercises/2_survive_a_kill/start.py", 3: "exercises/3_two_nodes/start.py"}
+STEPS = {1: "multigpu.py", 2: "multigpu_torchrun.py", 3: "multinode.py", 4: "gpt.py"}
+STARTS = {1: "exercises/1_ddp/start.py", 2: "exercises/2_survive_a_kill/start.py", 3: "exercises/3_two_nodes/start.py",
+          4: "exercises/4_grad_accum/start.py"}
 
 
 @pytest.mark.parametrize("number", sorted(STEPS))
@@ -105,3 +106,35 @@ def test_a_snapshot_that_stores_the_finished_epoch_repeats_it_after_the_kill(tmp
     problems = checked(2, mistaken, tmp_path)
     assert problems == ("the restarted job repeated epoch 1, which finished and was saved before the kill: store "
                         "the number of epochs *run* (epoch + 1) and start there"), problems
+
+
+# --- exercise 4: gradient accumulation (each a 2-process run of ~8 optimizer steps on a short text) -------------------
+
+def test_starting_file_4_steps_after_every_micro_batch_and_the_checker_says_so(tmp_path):
+    problems = checked(4, REPO / STARTS[4], tmp_path)
+    assert problems == ("rank 0 took 16 optimizer steps in 2 epochs, expected 8: with --grad_accum 2, step the "
+                        "optimizer once per 2 micro-batches (when `last` is True), not after every micro-batch"), \
+        problems
+
+
+def test_accumulating_without_no_sync_shows_as_one_all_reduce_per_micro_batch(tmp_path):
+    mistaken = seeded(tmp_path, "gpt.py", (r"contextlib\.nullcontext\(\) if last else self\.model\.no_sync\(\)",
+                                           "contextlib.nullcontext()"))
+    problems = checked(4, mistaken, tmp_path)
+    assert problems.startswith("DDP all-reduced the gradients 2 time(s) per optimizer step, once per micro-batch: "
+                               "with --grad_accum 2 that is 2x the communication."), problems
+
+
+def test_a_loss_not_divided_by_k_shows_as_a_gradient_k_times_too_large(tmp_path):
+    mistaken = seeded(tmp_path, "gpt.py", (r"scale\(loss / micro_batches\)", "scale(loss)"))
+    problems = checked(4, mistaken, tmp_path)
+    assert problems.startswith("the gradient of an optimizer step is 2.00x the mean over its micro-batches"), problems
+
+
+def test_a_scheduler_stepped_per_micro_batch_shows_in_the_learning_rates(tmp_path):
+    mistaken = seeded(tmp_path, "gpt.py", (r"\n *self\.scheduler\.step\(\).*", ""),
+                      (r"(\.backward\(\).*)", r"\1\n            self.scheduler.step()"))
+    problems = checked(4, mistaken, tmp_path)
+    assert re.fullmatch(r"optimizer step \d+ used learning rate \S+, expected \S+: the warm-up \+ cosine schedule "
+                        r"counts optimizer steps, so call scheduler.step\(\) once per optimizer step \(after the "
+                        r"last micro-batch\), not once per micro-batch", problems), problems

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from expect import assert_bitwise_equal
 from tools.jobs import output, run, script, start, torchrun
 from utils import make_workload
 
@@ -19,23 +20,6 @@ SNAPSHOT = "snapshot.pt"
 
 def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def assert_bitwise_equal(actual, expected, where="snapshot"):
-    """Every tensor equal bit for bit (torch.equal, same dtype), every other value equal, at any depth."""
-    assert type(actual) is type(expected), f"{where}: {type(actual).__name__} != {type(expected).__name__}"
-    if isinstance(expected, torch.Tensor):
-        assert actual.dtype == expected.dtype and torch.equal(actual, expected), f"{where} differs"
-    elif isinstance(expected, dict):
-        assert actual.keys() == expected.keys(), f"{where}: keys {list(actual)} != {list(expected)}"
-        for key in expected:
-            assert_bitwise_equal(actual[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
-        for index, (item, expected_item) in enumerate(zip(actual, expected)):
-            assert_bitwise_equal(item, expected_item, f"{where}[{index}]")
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
 def launched(tmp_path, max_restarts):

@@ -1,5 +1,5 @@
 """The README is the tutorial's front page and docs/ its depth: the diffs they show are the scripts' real diffs,
-every pair of consecutive steps is shown, and the steps stay small."""
+every step is shown against the one it builds on, and the steps stay small."""
 import re
 import shutil
 import subprocess
@@ -10,7 +10,7 @@ from tools import stepdiff
 from tools.jobs import REPO
 
 README = (REPO / "README.md").read_text()
-PAIRS = list(zip(stepdiff.steps(), stepdiff.steps()[1:]))
+PAIRS = stepdiff.pairs()
 
 
 @pytest.mark.parametrize("page", stepdiff.pages(), ids=lambda page: str(page.relative_to(REPO)))
@@ -27,13 +27,17 @@ def test_a_stale_diff_is_noticed():
 
 
 def test_the_diff_blocks_name_steps_in_order():
-    """A block shows a step against the one before it, never two steps apart or a file that is not a step."""
+    """A block shows a step against the one it builds on, never two steps apart or a file that is not a step."""
     assert set(stepdiff.shown_pairs()) <= set(PAIRS), set(stepdiff.shown_pairs()) - set(PAIRS)
 
 
 @pytest.mark.parametrize("old, new", PAIRS)
-def test_every_step_shows_its_diff_against_the_previous_one(old, new):
+def test_every_step_shows_its_diff_against_the_one_it_builds_on(old, new):
     assert (old, new) in stepdiff.shown_pairs(), f"no page has a <!-- diff {old} {new} --> block"
+
+
+def test_gpt_builds_on_multinode_not_on_fsdp():
+    assert ("multinode.py", "gpt.py") in PAIRS and ("multinode.py", "fsdp.py") in PAIRS
 
 
 @pytest.mark.parametrize("name", stepdiff.steps())

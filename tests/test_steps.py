@@ -26,6 +26,7 @@ from expect import assert_learned, assert_loads_into_fresh_model, assert_one_wri
 from tools import plot_metrics
 from tools.jobs import free_port, output, python, run, start, torchrun, torchrun_node
 from utils import make_workload
+from utils.gpt import TEXT_VARIABLE, help_pages
 
 EPOCHS, SAVE_EVERY = 4, 2
 DATASET_SIZE = 2048  # the synthetic workload's training set
@@ -36,12 +37,15 @@ def demo_run(tmp_path_factory):
     """`make demo` with 4 epochs per step, every job recorded: {script: job}, the fault demo's job, the printout, and
     the folder the steps ran in."""
     printed, run_dir = io.StringIO(), tmp_path_factory.mktemp("demo")
+    gpt_text = tmp_path_factory.mktemp("gpt_text") / "help_excerpt.txt"
+    gpt_text.write_text(help_pages()[:8000])
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
         patch.setattr(demo, "RUN_DIR", run_dir)
         patch.setattr(demo, "EPOCHS", EPOCHS)
         patch.setattr(demo, "SAVE_EVERY", SAVE_EVERY)
         patch.setattr(demo, "run", functools.partial(run, record=True))
         patch.setattr("sys.argv", ["demo.py", "--timeout", "120"])
+        patch.setenv(TEXT_VARIABLE, str(gpt_text))  # the GPT step on a short excerpt: 2 optimizer steps an epoch
         jobs, fault = demo.main()
     return dict(jobs=jobs, fault=fault, printed=printed.getvalue(), run_dir=run_dir)
 
@@ -118,6 +122,14 @@ def test_the_demo_sums_up_every_step_and_narrates_the_fault(demo_run):
     assert "torchrun: failed (exitcode: -9) local_rank: 1" in fault.output
     assert re.search(r">>> rank \d reloaded the snapshot: resuming from epoch 4 \(restart 1\)", fault.output)
     assert ">>> the job finished (exit 0): 8 epochs in all, one worker killed on the way" in fault.output
+
+
+def test_the_demo_trains_the_gpt_with_accumulation_and_shows_its_sample(demo_run):
+    job = demo_run["jobs"]["gpt.py"]
+    assert job.ok and sorted(job.losses) == list(range(demo.GPT_EPOCHS)), job.output
+    [(steps, sample)] = output.samples(job.output)
+    assert f"What the GPT writes after {steps} optimizer steps:\n{sample}" in demo_run["printed"]
+    assert_one_writer(job.writes, demo_run["run_dir"] / "gpt_snapshot.pt")
 
 
 # --- what DDP's gradient averaging means ----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from tools.jobs import PYTHON, REPO, free_port, run, torchrun
+from tools.jobs import PYTHON, REPO, free_port, run, script, torchrun
 from utils import WORKLOADS, evaluate, exit_without_teardown, make_workload
 from utils.vision import FAKEDATA_SIZES
 
@@ -82,7 +82,7 @@ def tiny_mnist(root, train_size=12, test_size=5):
 
 
 def test_every_workload_is_registered():
-    assert set(WORKLOADS) == {"synthetic", "wide", "mnist", "cifar10", "fakedata"}
+    assert set(WORKLOADS) == {"synthetic", "wide", "mnist", "cifar10", "fakedata", "gpt", "gpt-cpu", "gpt-gpu"}
 
 
 def test_mnist_is_read_from_the_data_dir_in_its_on_disk_format(tmp_path, monkeypatch):
@@ -162,3 +162,67 @@ def test_held_out_metrics_on_two_ranks_are_rank_0s_model_on_every_sample_once(tm
     model, dataset = batchnorm_model_and_data()
     expected = evaluate(model, dataset, torch.nn.CrossEntropyLoss(), torch.device("cpu"), classification=True)
     assert torch.load(tmp_path / "metrics.pt") == pytest.approx(dict(expected), abs=1e-6)
+
+
+# --- the GPT (step 6) -----------------------------------------------------------------------------------------------
+
+def gpt_workload(monkeypatch, text=None):
+    from utils.gpt import TEXT_VARIABLE
+
+    if text is not None:
+        monkeypatch.setenv(TEXT_VARIABLE, str(text))
+    return make_workload("gpt-cpu")
+
+
+def test_the_gpt_is_built_the_same_in_every_process_and_starts_near_uniform(monkeypatch):
+    """Python's help pages: the same tokens and weights every time; an untrained model scores ~ln(vocabulary)."""
+    import math
+
+    from utils.gpt import decode, help_pages
+
+    first, second = gpt_workload(monkeypatch), gpt_workload(monkeypatch)
+    assert torch.equal(first.train_set.tensors[0], second.train_set.tensors[0])
+    assert all(torch.equal(a, b) for a, b in zip(first.model.state_dict().values(), second.model.state_dict().values()))
+    source, targets = first.train_set[0]
+    assert torch.equal(source[1:], targets[:-1])  # the target is the next character
+    assert decode(first.train_set.tensors[0][0], first.model.vocab) == help_pages()[:64]
+    subset = torch.utils.data.Subset(first.eval_set, range(64))
+    held_out = evaluate(first.model, subset, first.loss_fn, torch.device("cpu"))["loss"]
+    assert abs(held_out - math.log(len(first.model.vocab))) < 0.2, held_out
+
+
+def test_a_gpt_sample_depends_on_its_seed_only_and_leaves_the_global_random_state_alone(monkeypatch):
+    from utils.gpt import generate
+
+    model = gpt_workload(monkeypatch).model
+    state = torch.get_rng_state()
+    sample = generate(model, new_tokens=20, seed=3)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert sample == generate(model, new_tokens=20, seed=3) != generate(model, new_tokens=20, seed=4)
+    assert sample.startswith("\n") and len(sample) == 21
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, r"error: cannot read TUTORIAL_GPT_TEXT=\S+ \(No such file or directory\); point it at a UTF-8 text "
+           r"file or unset it to train on Python's help pages"),
+    (b"caf\xe9 " * 1000, r"error: TUTORIAL_GPT_TEXT=\S+ is not UTF-8 text \(byte 3: invalid continuation byte\); "
+                         r"save it as UTF-8 or unset TUTORIAL_GPT_TEXT"),
+    (b"too short", r"error: TUTORIAL_GPT_TEXT=\S+ has 9 characters; this model size needs at least 2,600 \(.*\)"),
+], ids=["missing", "latin-1", "too short"])
+def test_a_gpt_text_that_cannot_be_used_stops_with_one_line(tmp_path, monkeypatch, content, message):
+    path = tmp_path / "text.txt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as stop:
+        gpt_workload(monkeypatch, path)
+    assert re.fullmatch(message, str(stop.value)), stop.value
+
+
+def test_single_gpu_trains_the_gpt_too(tmp_path):
+    """--workload gpt works in every step (fsdp.py's sharding of it: tests/test_gpt.py)."""
+    from utils.gpt import TEXT_VARIABLE, help_pages
+
+    (tmp_path / "text.txt").write_text(help_pages()[:8000])
+    job = run([PYTHON, script("single_gpu.py"), 2, 2, "--workload", "gpt-cpu"], cwd=tmp_path,
+              env={TEXT_VARIABLE: tmp_path / "text.txt"})
+    assert job.losses[1] < job.losses[0] < 4.8, job.output

@@ -17,6 +17,7 @@ from tools.jobs import (REPO, free_port, machine_summary, output, python, run, s
                         torchrun_node)
 
 EPOCHS, SAVE_EVERY = 5, 2
+GPT_EPOCHS = 2  # on a CPU an epoch of the help pages takes ~15 s on 2 quiet cores: enough to see words appear
 RUN_DIR = REPO / "runs" / "demo"
 GPUS = torch.cuda.device_count()
 
@@ -66,6 +67,9 @@ def main():
     jobs["multinode.py"] = show("Step 4: two nodes on localhost", node, node, node_env=node_env, timeout=args.timeout)
     jobs["fsdp.py"] = show("Step 5: FSDP, the model sharded over the ranks", torchrun(
         "fsdp.py", EPOCHS, SAVE_EVERY, nproc="gpu" if GPUS else 2), timeout=args.timeout)
+    jobs["gpt.py"] = show("Step 6: a small GPT, 2 micro-batches per optimizer step (no_sync)", torchrun(
+        "gpt.py", GPT_EPOCHS, GPT_EPOCHS, "--grad_accum", 2, "--snapshot_path", "gpt_snapshot.pt",
+        *(["--precision", "bf16"] if GPUS else []), nproc="gpu" if GPUS else 2), timeout=args.timeout)
 
     fault = show("Step 3 under fire: a worker SIGKILLed, torchrun restarts the group, the job resumes",
                  python("tools/fault_demo.py", "--timeout", args.timeout), timeout=args.timeout + 30, narrated=True)
@@ -74,6 +78,8 @@ def main():
     for step, job in jobs.items():
         losses = job.losses
         print(f"{step:22} loss {losses[0]:.4f} (epoch 0) -> {losses[max(losses)]:.4f} (epoch {max(losses)})")
+    for steps, text in output.samples(jobs["gpt.py"].output):
+        print(f"\nWhat the GPT writes after {steps} optimizer steps:\n{text}")
     return jobs, fault
 
 

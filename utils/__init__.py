@@ -3,7 +3,7 @@
 The step scripts keep the distributed concepts (process group, sampler, DDP wrap, snapshots, ranks, sharding)
 in plain sight; only the parts that are the same in every step live here.
 """
-from utils import synthetic, vision
+from utils import gpt, synthetic, vision
 from utils.helpers import (configure_cpu_threads, exit_without_teardown, positive_int, reason, replacing,
                            require_a_gpu_each, require_epochs_left, require_same_arguments, require_torchrun,
                            writable_path)
@@ -20,6 +20,9 @@ WORKLOADS = {
     "mnist": vision.mnist,  # small CNN; data in $TUTORIAL_DATA_DIR (default ./data), downloaded when online
     "cifar10": vision.cifar10,  # resnet18 from scratch
     "fakedata": vision.fakedata,  # random images, no files: offline benchmarks
+    "gpt": gpt.gpt,  # a small character-level GPT on Python's help pages (step 6): the GPU size on CUDA, else the CPU's
+    "gpt-cpu": gpt.gpt_cpu,  # either size anywhere, by name
+    "gpt-gpu": gpt.gpt_gpu,
 }
 
 

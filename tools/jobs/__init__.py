@@ -14,7 +14,8 @@ for the job to go on). `run()` starts a job and waits for it.
 The environment: the CPU (gloo) unless gpu=True, one compute thread per process, unbuffered output, and the
 repository on PYTHONPATH (a learner's script elsewhere still imports `utils`). With record=True the job's processes
 load recorder/sitecustomize.py, which records each torch.save and the samples each rank trains on, epoch by epoch;
-kill_at, skip_all_reduce and stall_init inject faults through it (its docstring says how).
+record_steps=True adds every optimizer step (its learning rate, and the gradient all-reduces DDP ran for it); kill_at,
+skip_all_reduce and stall_init inject faults through it (its docstring says how).
 """
 import json
 import os
@@ -87,7 +88,8 @@ def machine_summary():
             + f", torch {torch.__version__}{load}")
 
 
-def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_reduce=None, stall_init=None):
+def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_reduce=None, stall_init=None,
+                record_steps=False):
     """The environment of a job's processes (see the module's docstring); `extra` last (a value None removes a
     variable; a PYTHONPATH in it goes before the repository's)."""
     extra = dict(extra or {})
@@ -100,6 +102,8 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     if record_dir:
         env["JOB_RECORD_DIR"] = str(record_dir)
+    if record_dir and record_steps:
+        env["JOB_RECORD_STEPS"] = "1"
     if kill_at:
         env["JOB_KILL_AT"] = ":".join(map(str, kill_at))
     if skip_all_reduce:
@@ -118,17 +122,19 @@ class Job:
     """A running (then finished) job: one command per node. See the module's docstring; start() makes one.
 
     cwd: the folder each node runs in (one for all, or a list); logs: where the logs and records go (default: the
-    first node's folder); env: extra variables for every node, node_env: a dict per node on top of them.
+    first node's folder); env: extra variables for every node, node_env: a dict per node on top of them;
+    record_steps (implies record): every optimizer step's learning rate and gradient all-reduces too.
     """
 
     def __init__(self, *commands, cwd, env=None, node_env=None, gpu=False, record=False, kill_at=None,
-                 skip_all_reduce=None, stall_init=None, logs=None):
+                 skip_all_reduce=None, stall_init=None, logs=None, record_steps=False):
         cwds = list(cwd) if isinstance(cwd, (list, tuple)) else [cwd] * len(commands)
         self.commands = [[str(part) for part in command] for command in commands]
         self.logs_dir = Path(logs or cwds[0])
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        self.recorded = record
-        env = environment(env, gpu, self.logs_dir if record else None, kill_at, skip_all_reduce, stall_init)
+        self.recorded = record = record or record_steps
+        env = environment(env, gpu, self.logs_dir if record else None, kill_at, skip_all_reduce, stall_init,
+                          record_steps)
         self.logs = [self.logs_dir / f"node{node}.log" for node in range(len(commands))]
         self.began, self.timeline, self.codes = time.monotonic(), [], None
         self._offsets, self._queue = [0] * len(commands), []
@@ -295,6 +301,10 @@ class Job:
     def samples(self):
         return recorded_samples(self.logs_dir)
 
+    @property
+    def steps(self):
+        return recorded_steps(self.logs_dir)
+
     def writers(self):
         """(ranks that wrote files, the files' names): a temporary file counts under the name it was renamed to."""
         ranks = sorted({rank for _, rank, _ in self.writes}, key=str)
@@ -324,6 +334,15 @@ def recorded_samples(folder):
     sampler (class name), epoch (its set_epoch value, or None), number (the pass's number in its process), ddp (the
     model was wrapped in DDP), indices (the samples, in training order)."""
     path = Path(folder) / "samples.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def recorded_steps(folder):
+    """One dict per optimizer step of a job recorded with record_steps, in the order they were taken: pid, rank,
+    restart, step (its number in its process), lr (the learning rate it used), rounds (gradient all-reduce rounds
+    since the step before: one per backward that synced), buckets, grad_norms (each round's all-reduced gradient
+    norm). A process without DDP has rounds 0."""
+    path = Path(folder) / "steps.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 

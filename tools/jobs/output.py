@@ -10,15 +10,18 @@ from utils.memory import COLUMNS
 TAG = (r"\[(?:rank (?P<rank>\d+)/(?P<world_size>\d+) \| (?:local (?P<local_rank>\d+) \| )?)?"
        r"(?P<device>cpu|cuda(?::\d+)?)\]")
 EPOCH = re.compile(TAG + r" epoch (?P<epoch>\d+) \| steps (?P<steps>\d+) \| loss (?P<loss>[\d.]+) \| "
-                         r"(?P<rate>[\d,]+) (?P<unit>samples|tokens)/s")
+                         r"(?P<rate>[\d,]+) (?P<unit>samples|tokens)/s(?: \| MFU (?P<mfu>[\d.]+)%)?")
 SAVED = re.compile(TAG + r" epoch (?P<epoch>\d+) \| (?P<kind>checkpoint|snapshot) saved to (?P<path>\S+)")
 RESUMED = re.compile(TAG + r" resuming from epoch (?P<epoch>\d+), restart (?P<restart>\d+)")
 HELD_OUT = re.compile(TAG + r" held-out (?P<samples>\d+) samples \| loss (?P<loss>[\d.]+)"
                             r"(?: \| accuracy (?P<accuracy>[\d.]+))?")
+# gpt.py's generated text: a header line, then the sample's lines, each indented by "  | "
+SAMPLE = re.compile(TAG + r" sample after (?P<steps>\d+) optimizer steps:\n(?P<text>(?:  \| .*(?:\n|$))*)")
 ERROR = re.compile(r"^error: .*$", re.M)  # the one line a step prints when it stops on bad input or a fault
 # What launchers and the C++ layer print around the steps' own lines: torchrun's log records ([W1122 12:00:00...]),
-# the rank-prefixed traceback of a worker that failed ([rank1]: ...), C++ stack frames.
-LAUNCHER_NOISE = re.compile(r"^(?:\[?[WEI]\d{4} |\[rank\d+\]:|frame #|Exception raised from|\s|$)")
+# the rank-prefixed traceback of a worker that failed ([rank1]: ...), C++ stack frames, indented lines (but not the
+# "  | " lines of gpt.py's sample).
+LAUNCHER_NOISE = re.compile(r"^(?:\[?[WEI]\d{4} |\[rank\d+\]:|frame #|Exception raised from|\s(?! \| )|$)")
 
 
 def epoch_losses(output):
@@ -39,6 +42,19 @@ def held_out(output):
         return None
     return dict(samples=int(match["samples"]), loss=float(match["loss"]),
                 accuracy=None if match["accuracy"] is None else float(match["accuracy"]))
+
+
+def samples(output):
+    """[(optimizer steps, text), ...]: the samples gpt.py printed, in order (the "  | " indents taken off)."""
+    return [(int(match["steps"]), "\n".join(line[4:] for line in match["text"].rstrip("\n").split("\n")))
+            for match in SAMPLE.finditer(output)]
+
+
+def throughputs(output):
+    """{epoch: (rate, unit, MFU in % or None)} from the epoch lines (the last report of an epoch wins)."""
+    return {int(match["epoch"]): (float(match["rate"].replace(",", "")), match["unit"],
+                                  None if match["mfu"] is None else float(match["mfu"]))
+            for match in EPOCH.finditer(output)}
 
 
 def errors(output):

@@ -10,6 +10,12 @@ changed; without the variables nothing happens.
     was wrapped in DDP, and the sample indices in the order the process trained on them. Overlapping shards, a
     shuffle that never changes, a resume that repeats an epoch: all show in it. (A BatchSampler is what every
     DataLoader with a batch size iterates over, so patching its __iter__ sees every batch of every step.)
+- JOB_RECORD_STEPS=1 (with JOB_RECORD_DIR): steps.jsonl, a JSON line per optimizer step: the process, its rank,
+  torchrun's restart count, the step's number in this process, the learning rate it used (the first param group's),
+  and the gradient all-reduces since the step before: `rounds` (DDP all-reduces its buckets once per backward that
+  syncs: one round), `buckets`, and `grad_norms` (each round's all-reduced gradient norm, over all its buckets). A
+  DDP communication hook counts them: it wraps DDP's default all-reduce (divide by the world size, sum), so the
+  numbers are those of the job without it. Gradient accumulation with no_sync() shows as one round per step.
 - JOB_KILL_AT=`RESTART:RANK:EPOCH`: that rank SIGKILLs itself as it begins that epoch in that attempt: a crash at a
   known point (the epoch counts passes over the DataLoader when the sampler has no set_epoch).
 - JOB_SKIP_ALL_REDUCE=`RANK:N`: the process of that global rank skips its N-th torch.distributed.all_reduce and
@@ -20,6 +26,7 @@ changed; without the variables nothing happens.
 import os
 
 RECORD_DIR = os.environ.get("JOB_RECORD_DIR")
+RECORD_STEPS = RECORD_DIR and os.environ.get("JOB_RECORD_STEPS")
 KILL_AT = os.environ.get("JOB_KILL_AT")
 SKIP_ALL_REDUCE = os.environ.get("JOB_SKIP_ALL_REDUCE")
 STALL_INIT = os.environ.get("JOB_STALL_INIT")
@@ -66,6 +73,8 @@ if RECORD_DIR or KILL_AT:
     def _noting_ddp_init(self, *args, **kwargs):
         _wrapped[0] = True
         _ddp_init(self, *args, **kwargs)
+        if RECORD_STEPS:
+            self.register_comm_hook(None, _counting_all_reduce)
 
     def _recording_batches(self):
         epoch, number = getattr(self.sampler, "epoch", None), _passes[0]
@@ -84,6 +93,42 @@ if RECORD_DIR or KILL_AT:
 
     DistributedDataParallel.__init__ = _noting_ddp_init
     BatchSampler.__iter__ = _recording_batches
+
+if RECORD_STEPS:
+    import math
+
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    _steps, _buckets, _rounds = [0], [0], []  # optimizer steps taken; since the last one: buckets, rounds' squares
+    # (a list per round of its buckets' summed squares: appended, never added in place, because the buckets'
+    # all-reduces complete on gloo's threads, possibly at once, and `+=` from two threads can lose one)
+
+    def _counting_all_reduce(state, bucket):
+        """DDP's own all-reduce of one bucket of gradients (the default hook), counted. DDP hands a backward's
+        buckets over in order, from bucket 0; their all-reduces may complete in any order."""
+        if bucket.index() == 0:
+            _rounds.append([])  # a new round
+        squares = _rounds[-1]
+        _buckets[0] += 1
+
+        def note(future):
+            averaged = future.value()
+            squares.append(float(averaged.double().pow(2).sum()))
+            return averaged
+
+        return allreduce_hook(None, bucket).then(note)
+
+    def _recording_step(optimizer, args, kwargs):
+        _append("steps.jsonl", json.dumps(dict(
+            pid=os.getpid(), rank=_rank(), restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            step=_steps[0], lr=optimizer.param_groups[0]["lr"], rounds=len(_rounds), buckets=_buckets[0],
+            grad_norms=[math.sqrt(math.fsum(squares)) for squares in _rounds])))
+        _steps[0] += 1
+        _buckets[0] = 0
+        _rounds.clear()
+
+    register_optimizer_step_pre_hook(_recording_step)
 
 if SKIP_ALL_REDUCE:
     import time

@@ -1,0 +1,412 @@
+"""The "gpt" workload: a small GPT that learns to write like its text, one character at a time.
+
+A decoder-only transformer in the style of nanoGPT's character-level Shakespeare model, trained on text that every
+machine already has: the help pages of CPython's own documentation (`pydoc_data.topics`, part of the standard
+library, about 465,000 characters), or a text file of your own named by $TUTORIAL_GPT_TEXT. No download, no files
+exchanged between ranks: every process reads the same text and builds bit-identical tensors and initial weights.
+
+Two sizes of the same model:
+
+    "cpu"  2 layers, 128 wide, context 64: learns visibly in a few epochs on a laptop's cores
+    "gpu"  6 layers, 6 heads, 384 wide, context 256, dropout 0.2: nanoGPT's shakespeare-char model, ~10.8M weights
+
+`gpt(seed)` picks "gpu" when CUDA is available and "cpu" otherwise; `gpt_cpu` and `gpt_gpu` pick one by name.
+$TUTORIAL_GPT_DROPOUT overrides the size's dropout (0 for exact comparisons: every rank then computes what one
+process would).
+
+The pieces step 6 (gpt.py) uses besides the Workload itself:
+    warmup_cosine(total_steps)                  the learning-rate factor per optimizer step, for LambdaLR
+    generate(model, prompt, new_tokens, seed)   a short sample, decoded to text: what the model has learned
+    mfu(model, tokens_per_s, device)            model-FLOPs utilisation of a GPU (None on a CPU)
+    compiler_missing()                          why torch.compile cannot build kernels here (None: it can)
+"""
+import dataclasses
+import math
+import os
+import shutil
+import sys
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from utils.workload import Workload
+
+TEXT_VARIABLE = "TUTORIAL_GPT_TEXT"  # a UTF-8 text file to train on instead of Python's help pages
+DROPOUT_VARIABLE = "TUTORIAL_GPT_DROPOUT"  # overrides the size's dropout, e.g. 0 for exact comparisons
+HELD_OUT_FRACTION = 0.1  # the last 10% of the text is never trained on
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int  # transformer blocks
+    n_head: int  # attention heads per block; n_embd must be a multiple of it
+    n_embd: int  # width of the residual stream
+    context: int  # tokens the model sees at once (block_size in nanoGPT)
+    dropout: float  # on embeddings, attention weights, attention output and MLP output; 0 for exact comparisons
+    lr: float  # AdamW's peak learning rate (a warm-up + cosine schedule in the step scales it)
+    betas: tuple
+    weight_decay: float  # decoupled (AdamW) decay, on weight matrices and embeddings only: see make_optimizer
+    vocab_size: int = 0  # filled in from the text: one token per distinct character
+
+
+SIZES = {
+    # Small enough for 2 CPU cores: 0.43M weights, ~15 s an epoch on one 2-thread process (REPORT.md). With a few
+    # epochs there is little to over-fit, so little dropout. lr 1e-3 beat 5e-4, 2e-3, 3e-3 and 6e-3 here.
+    "cpu": GPTConfig(n_layer=2, n_head=4, n_embd=128, context=64, dropout=0.1, lr=1e-3, betas=(0.9, 0.99),
+                     weight_decay=0.1),
+    # nanoGPT's config/train_shakespeare_char.py: "baby GPT", batch 64 of 256 characters, lr 1e-3, betas (0.9, 0.99).
+    "gpu": GPTConfig(n_layer=6, n_head=6, n_embd=384, context=256, dropout=0.2, lr=1e-3, betas=(0.9, 0.99),
+                     weight_decay=0.1),
+}
+
+
+# ---------------------------------------------------------------------------------------------------- the text
+
+def help_pages():
+    """CPython's help pages, the text behind help("assert"), help("for")...: in every CPython install."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return "".join(topics[key] for key in sorted(topics))  # sorted keys: the same order in every process
+
+
+def load_text(min_chars):
+    """The training text: $TUTORIAL_GPT_TEXT's file if set, else CPython's help pages. One clear line if unusable."""
+    path = os.environ.get(TEXT_VARIABLE)
+    if not path:
+        return help_pages()
+    try:
+        with open(path, "rb") as file:
+            text = file.read().decode("utf-8-sig")  # strict: a wrong byte stops here; a leading BOM is dropped
+    except UnicodeDecodeError as error:
+        raise SystemExit(f"error: {TEXT_VARIABLE}={path} is not UTF-8 text (byte {error.start}: "
+                         f"{error.reason}); save it as UTF-8 or unset {TEXT_VARIABLE}") from None
+    except OSError as error:  # missing, a directory, no permission...
+        raise SystemExit(f"error: cannot read {TEXT_VARIABLE}={path} ({error.strerror or type(error).__name__}); "
+                         f"point it at a UTF-8 text file or unset it to train on Python's help pages") from None
+    text = text.replace("\r\n", "\n")  # the same file checked out on Windows gives the same tokens
+    if len(text) < min_chars:
+        raise SystemExit(f"error: {TEXT_VARIABLE}={path} has {len(text):,} characters; this model size needs at "
+                         f"least {min_chars:,} (its held-out tenth must hold a few blocks of its context)")
+    return text
+
+
+def encode(text, vocab):
+    """Characters -> token ids (positions in `vocab`, a sorted string of distinct characters), as int64."""
+    codes = torch.frombuffer(bytearray(text.encode("utf-32-le")), dtype=torch.int32).long()  # one code point each
+    vocab_codes = torch.tensor([ord(char) for char in vocab])
+    ids = torch.searchsorted(vocab_codes, codes)  # vocab is sorted, so the position is a binary search away
+    if len(codes) and (ids.max() >= len(vocab) or not torch.equal(vocab_codes[ids.clamp(max=len(vocab) - 1)], codes)):
+        raise ValueError(f"characters not in the vocabulary: {sorted(set(text) - set(vocab))[:10]}")
+    return ids
+
+
+def decode(ids, vocab):
+    return "".join(vocab[i] for i in ids.tolist())
+
+
+def blocks_of(tokens, context):
+    """Consecutive, non-overlapping blocks of context+1 tokens: x = block[:-1], y = block[1:] (the next character).
+
+    Block i holds tokens [i*context, i*context + context + 1): neighbours share one token, so every token of the
+    split is a target exactly once per epoch. The tail shorter than a block is dropped (< context tokens).
+    """
+    blocks = tokens.unfold(0, context + 1, context)  # (n_blocks, context + 1), a view: no copy yet
+    return TensorDataset(blocks[:, :-1].contiguous(), blocks[:, 1:].contiguous())
+
+
+# ---------------------------------------------------------------------------------------------------- the model
+
+class Embedding(nn.Module):
+    """Token ids (B, T) -> vectors (B, T, C): what the character is, plus where it stands (learned positions)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.token = nn.Embedding(config.vocab_size, config.n_embd)
+        self.position = nn.Embedding(config.context, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device)  # 0..T-1; T <= context
+        return self.dropout(self.token(ids) + self.position(positions))
+
+
+class CausalSelfAttention(nn.Module):
+    """Each position mixes in the positions before it (never after: the next character must not leak in)."""
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)  # queries, keys and values in one matrix multiply
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.attention_dropout = config.dropout  # on the attention weights, inside the fused kernel
+        self.dropout = nn.Dropout(config.dropout)  # on the output
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        # softmax(q k^T / sqrt(hs)) v with the causal mask, fused (flash attention on recent GPUs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.attention_dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, C)  # the heads side by side again
+        return self.dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.n_embd)
+        self.attention = CausalSelfAttention(config)
+        self.norm2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the linear map to one score (logit) per character of the vocabulary."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.norm = nn.LayerNorm(config.n_embd)
+        self.linear = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # not tied to the embedding: see GPT
+
+    def forward(self, x):
+        return self.linear(self.norm(x))
+
+
+class GPT(nn.Sequential):
+    """Embedding -> block0 ... blockN-1 -> Head: token ids (B, T) in, logits (B, T, vocab) out.
+
+    An nn.Sequential on purpose: each block is a direct child, so a step that shards `model.children()` one by one
+    (fsdp.py) gets one FSDP unit per block, and only one block's full weights exist at a time. Blocks kept in an
+    nn.ModuleList would be a single child: sharded as one unit, all of them gathered at once.
+
+    The head is not tied to the token embedding (nanoGPT ties them): with ~100 characters the embedding is 0.4% of
+    the weights, so tying saves next to nothing, and a weight shared by two children cannot be sharded with each.
+    """
+
+    def __init__(self, config, vocab):
+        blocks = [(f"block{i}", Block(config)) for i in range(config.n_layer)]
+        super().__init__(OrderedDict([("embed", Embedding(config)), *blocks, ("head", Head(config))]))
+        self.config = config
+        self.vocab = vocab  # a plain attribute, not a buffer: decoding needs it, the state_dict and DDP do not
+        self.apply(self._init_weights)
+        for name, param in self.named_parameters():  # GPT-2: the layers that write into the residual stream start
+            if name.endswith("proj.weight"):  # smaller, so the sum over 2 x n_layer of them starts at unit scale
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module):  # GPT-2's: small weights, so the first predictions are near uniform (loss ~ ln V)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+def unwrap(model):
+    """The GPT inside DDP(...) and/or torch.compile(...)."""
+    while not isinstance(model, GPT):
+        model = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if model is None:
+            raise TypeError("not a GPT, nor a DDP or torch.compile wrapper of one")
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+def next_token_loss(logits, targets):
+    """Cross-entropy of the next character, averaged over every position of every sequence (per token).
+
+    logits (B, T, V), targets (B, T). In float32 even when the logits come out of bf16/fp16 autocast. Since every
+    sequence has T tokens, evaluate()'s `loss * len(source)` summed and divided by the sequences is still per token.
+    """
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def make_optimizer(model, config):
+    """AdamW; weight decay on the matrices (linear weights, embeddings), none on biases and LayerNorm gains.
+
+    Decaying a LayerNorm gain or a bias pulls it toward 0 for no benefit (nanoGPT and GPT-2 leave them out). The
+    groups are picked by the parameters' shapes, so fsdp.py, which makes the optimizer after sharding (a sharded
+    parameter keeps its full shape), gets the same two groups as DDP.
+    """
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([dict(params=matrices), dict(params=vectors, weight_decay=0.0)],
+                             lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+
+
+def gpt(seed, size=None):
+    """The GPT workload; size "cpu" or "gpu", by default "gpu" when CUDA is available."""
+    size = size or ("gpu" if torch.cuda.is_available() else "cpu")
+    if size not in SIZES:
+        raise ValueError(f"unknown GPT size {size!r}; choose one of {', '.join(SIZES)}")
+    config = SIZES[size]
+    if os.environ.get(DROPOUT_VARIABLE):
+        config = dataclasses.replace(config, dropout=float(os.environ[DROPOUT_VARIABLE]))
+    text = load_text(min_chars=10 * 4 * (config.context + 1))  # held-out tenth: at least 4 blocks
+    vocab = "".join(sorted(set(text)))
+    config = dataclasses.replace(config, vocab_size=len(vocab))
+    tokens = encode(text, vocab)
+    split = int(len(tokens) * (1 - HELD_OUT_FRACTION))  # first 90% to train on, the last 10% held out
+    train_set, eval_set = blocks_of(tokens[:split], config.context), blocks_of(tokens[split:], config.context)
+
+    torch.manual_seed(seed)  # same initial weights in every process (DDP would broadcast rank 0's anyway)
+    model = GPT(config, vocab)
+    return Workload(train_set, eval_set, model, lambda model: make_optimizer(model, config), next_token_loss)
+
+
+def gpt_cpu(seed):
+    return gpt(seed, "cpu")
+
+
+def gpt_gpu(seed):
+    return gpt(seed, "gpu")
+
+
+def warmup_cosine(total_steps, warmup_fraction=0.05, floor=0.1):
+    """The learning-rate factor at each optimizer step, for torch.optim.lr_scheduler.LambdaLR: a linear warm-up over
+    the first `warmup_fraction` of the steps (Adam's moment estimates are noisy at first: big steps then can
+    throw the weights far off), then a cosine from 1 down to `floor` at the last step."""
+    warmup = max(1, int(warmup_fraction * total_steps))
+
+    def factor(step):  # step: optimizer steps taken so far (LambdaLR's count)
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+# ---------------------------------------------------------------------------------------------------- looking at it
+
+@torch.no_grad()
+def generate(model, prompt=None, new_tokens=200, seed=0, temperature=1.0, top_k=None):
+    """The prompt followed by `new_tokens` characters sampled from the model, as text. The default prompt is a
+    newline (the start of a line), or the first character of the vocabulary if the text has no newline.
+
+    A generator of its own, seeded: the same model, prompt and seed give the same sample, and the global random
+    state (dropout, shuffling) is left untouched, so sampling mid-training does not change the training run.
+    Under FSDP every rank must call it (each forward all-gathers the weights); under DDP rank 0 alone may.
+    """
+    model = unwrap(model)  # eager and unwrapped: a compiled model would recompile for every new length
+    config, vocab = model.config, model.vocab
+    prompt = ("\n" if "\n" in vocab else vocab[0]) if prompt is None else prompt
+    if not prompt:
+        raise ValueError("generate() needs a prompt of at least one character, e.g. a newline")
+    device = next(model.parameters()).device
+    ids = encode(prompt, vocab).to(device).unsqueeze(0)  # (1, len(prompt))
+    generator = torch.Generator(device).manual_seed(seed)
+    was_training = model.training
+    model.eval()  # no dropout while sampling
+    for _ in range(new_tokens):
+        logits = model(ids[:, -config.context:])[:, -1, :].float() / temperature  # scores for the next character
+        if top_k is not None:  # only the k likeliest characters may be drawn
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        next_id = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        ids = torch.cat([ids, next_id], dim=1)
+    model.train(was_training)
+    return decode(ids[0], vocab)
+
+
+def flops_per_token(model_or_config):
+    """Model FLOPs to train on one token (forward + backward): 6 N + 12 L H Q T (PaLM appendix B; nanoGPT's MFU).
+
+    N: the weights that multiply activations: every block and the head; the embeddings are table look-ups and do
+    no multiplies. A multiply-add is 2 FLOPs, and backward costs about twice forward, hence 6 per weight per token.
+    12 L H Q T: attention's two products (q k^T and weights x v), each 2 T H Q FLOPs per token in each of L layers,
+    times 3 for forward + backward; H heads of Q dimensions each (H Q = n_embd), over a context of T. It counts the
+    whole T x T score matrix although the causal mask makes half of it unused; by convention, as in PaLM and nanoGPT.
+    Divide tokens/s x this by the hardware's peak FLOP/s for the MFU. Evaluation (forward only) costs a third.
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    L, C, T, V = config.n_layer, config.n_embd, config.context, config.vocab_size
+    per_block = (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C) + 2 * 2 * C  # + 2 norms
+    n = L * per_block + (2 * C + C * V)  # + final norm and head
+    return 6 * n + 12 * L * C * T
+
+
+# Dense bf16 peak of common GPUs, FLOP/s (vendors' datasheets, without sparsity). The name is matched as a substring
+# of torch.cuda.get_device_name(); $TUTORIAL_PEAK_TFLOPS overrides (e.g. 989 for an H100 SXM).
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+                   "L4": 121e12, "A10": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
+PEAK_VARIABLE = "TUTORIAL_PEAK_TFLOPS"
+
+
+def peak_flops(device):
+    """The GPU's peak dense bf16 FLOP/s ($TUTORIAL_PEAK_TFLOPS, else the table), or None when unknown or a CPU."""
+    if os.environ.get(PEAK_VARIABLE):
+        return float(os.environ[PEAK_VARIABLE]) * 1e12
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def mfu(model, tokens_per_s, device):
+    """Model-FLOPs utilisation of one device: the model FLOPs its `tokens_per_s` need over its peak; None on a CPU
+    or an unknown GPU. The peak is the bf16 one whatever the precision, as nanoGPT and PaLM count it."""
+    peak = peak_flops(device)
+    return None if peak is None else flops_per_token(unwrap(model)) * tokens_per_s / peak
+
+
+def compiler_missing():
+    """None if torch.compile can build kernels here, else what is missing. Inductor compiles C++ for the CPU (the
+    compiler in $CXX, by default g++, clang++ on macOS); on GPUs Triton builds its launchers with a C compiler."""
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler: {cxx} is not on PATH (set CXX to one)"
+    if torch.cuda.is_available() and not any(map(shutil.which, [os.environ.get("CC", "cc"), "gcc", "clang"])):
+        return "no C compiler for Triton: cc, gcc and clang are not on PATH (set CC to one)"
+    return None
+
+
+def check_options(precision, compile):
+    """Stop with one line when step 6's options cannot run here: fp16 without CUDA, --compile without a compiler."""
+    if precision == "fp16" and not torch.cuda.is_available():
+        raise SystemExit("error: --precision fp16 needs a CUDA GPU (its gradient scaler is for GPUs); on a CPU use "
+                         "--precision bf16")
+    missing = compiler_missing() if compile else None
+    if missing:
+        raise SystemExit(f"error: --compile needs a compiler to build its kernels, and there is {missing}; "
+                         "leave --compile out to train without it")
+
+
+# ---------------------------------------------------------------------------------------------------- random state
+
+def rng_state():
+    """This process's random-number state: (CPU generator's, the current GPU's or None). Dropout draws from the CPU
+    generator on a CPU and from the GPU's on a GPU; a snapshot that holds both resumes the same masks."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+
+def set_rng_state(state):
+    """Put back a state rng_state() returned. Generator states are CPU byte tensors, wherever torch.load's
+    map_location put them (a snapshot loaded onto the GPU has them there)."""
+    cpu, cuda = state
+    torch.set_rng_state(cpu.cpu())
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda.cpu())
