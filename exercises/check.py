@@ -31,7 +31,7 @@ EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes"}
 WORLD_SIZE = 2
 COLLECTIVE_TIMEOUT_S = 60  # passed as --timeout: a stuck collective fails instead of hanging forever (slow starts pass)
 KILLED_EPOCH = 2  # exercise 2 kills rank 1 as it begins this epoch
-SLOW_SAVE_S = 0.5  # exercises 2 and 3 make every save this much slower (a slow disk): a rank that runs ahead shows
+SLOW_SAVE_S = 0.3  # exercises 2 and 3 make every save this much slower (a slow disk): a rank that runs ahead shows
 LOSS_TOLERANCE = 1e-4  # the epoch line prints 4 decimals: a printed loss within this of a value is that value
 # A failed job's output, without what gloo and torchrun print around the learner's own error (a peer that vanished
 # mid-collective, the launcher's summary of failed workers)
@@ -65,7 +65,7 @@ def records(job, name):
 
 def line_of(script, number, function):
     """`line N (in function: `code`)`, the learner's own line, as their editor shows it."""
-    code = linecache.getline(str(script), number).strip()
+    code = linecache.getline(str(script), number).split("  #")[0].strip()  # the code, without its comment
     return f"line {number} (in {function}: `{code}`)" if code else f"line {number} (in {function})"
 
 
@@ -188,14 +188,14 @@ def writer_problems(job, script, multinode=False):
     ranks = sorted({save["rank"] for save in saves}, key=str)
     files = sorted({saved_name(save["path"]) for save in saves})
     where = lines_in(next(save["stack"] for save in saves if save["rank"] == ranks[-1]), script)
-    at = f" (at {', called from '.join(where)})" if where else ""
+    at = f" around the save at {', called from '.join(where)}" if where else ""
     if len(ranks) > 1:
-        fix = ("only global rank 0 (RANK, or dist.get_rank()) should write; LOCAL_RANK is 0 on every node, so "
-               "`if local_rank == 0:` makes one writer per node" if multinode
-               else "the replicas are identical, so one writer is enough: `if self.rank == 0:`")
-        return [f"ranks {listed(ranks)} all wrote {listed(files)}{at}: only rank 0 writes; {fix}"]
+        fix = ("only global rank 0 writes (RANK, or dist.get_rank()): LOCAL_RANK is 0 on every node, so "
+               f"`if local_rank == 0:` makes one writer per node; test the global rank{at}" if multinode
+               else f"the replicas are identical, so one writer is enough: only rank 0 writes (`if self.rank == 0:`{at})")
+        return [f"ranks {listed(ranks)} all wrote {listed(files)}: {fix}"]
     if ranks != [0] and ranks != [None]:
-        return [f"rank {ranks[0]} wrote {listed(files)}{at}, not rank 0: by convention rank 0 writes files"]
+        return [f"rank {ranks[0]} wrote {listed(files)}, not rank 0: by convention rank 0 writes files{at}"]
     return []
 
 
@@ -225,7 +225,7 @@ def epochs_rows(samples):
     return epochs
 
 
-def barrier_problems(job):
+def barrier_problems(job, script):
     """With every save slowed down, no rank may begin an epoch while the last snapshot is still being written."""
     for save in records(job, "saves.jsonl"):
         for row in job.samples:
@@ -234,12 +234,15 @@ def barrier_problems(job):
                 return [f"rank {row['rank']} began epoch {row['epoch']} while rank {save['rank']} was still writing "
                         f"{saved_name(save['path'])} (this check makes every save {SLOW_SAVE_S} s slower, as a slow "
                         "disk would): a kill then loses the epoch before too. After the save, every rank must wait "
-                        "until it is on disk: dist.barrier() after the `if ... == 0:` save in train(), on every rank"]
+                        "until it is on disk: dist.barrier(), on every rank, after the `if ... == 0:` save"
+                        + "".join(f" ({where})" for where in lines_in(save["stack"], script)[1:])]
     return []
 
 
 def teardown_problems(job):
-    still_open = sorted({row["rank"] for row in records(job, "exits.jsonl") if row["open"]}, key=str)
+    exits = records(job, "exits.jsonl")
+    last = max((row["restart"] for row in exits), default=0)  # an attempt torchrun stopped ended as it could
+    still_open = sorted({row["rank"] for row in exits if row["open"] and row["restart"] == last}, key=str)
     if not still_open:
         return []
     ranks = f"ranks {listed(still_open)} exited with their" if len(still_open) > 1 else f"rank {still_open[0]} exited with its"
@@ -270,8 +273,8 @@ def resume_problems(samples):
                "self.optimizer.load_state_dict(...) (_load_snapshot): Adam's running averages are part of the training"
                if what == "its optimizer's state" else
                "save self.model.module.state_dict() in the snapshot and load it back before wrapping in DDP")
-        return [f"rank {row['rank']} resumed epoch {row['epoch']} after the restart with {what} not as they were "
-                f"after epoch {row['epoch'] - 1}, so the resumed run differs from one never interrupted: {fix}"]
+        return [f"rank {row['rank']} resumed epoch {row['epoch']} after the restart with {what} different from what "
+                f"they were after epoch {row['epoch'] - 1}, so the resumed run differs from one never interrupted: {fix}"]
     return []
 
 
@@ -354,7 +357,7 @@ def training_problems(job, workdir, epochs, script, multinode=False, snapshots=F
         return trained
     problems = (ddp_problems(job.samples) or divergence_problems(job.samples, script)) + shard_problems(job.samples)
     problems += order_problems(job.samples) + writer_problems(job, script, multinode)
-    problems += checkpoint_problems(job.writes, workdir) + (barrier_problems(job) if snapshots else [])
+    problems += checkpoint_problems(job.writes, workdir) + (barrier_problems(job, script) if snapshots else [])
     if not job.ok:
         return problems or exit_problems(job, script)
     return problems + loss_problems(job.output, epochs, job.samples) + teardown_problems(job)
@@ -388,8 +391,8 @@ def check_resume(script, workdir, say):
     problems = training_problems(job, workdir, epochs, script, snapshots=True)
     if not job.ok:
         return problems
-    if any("barrier()" in problem for problem in problems):
-        return problems  # the snapshot before the kill never reached the disk: where it resumed says nothing more
+    if any("barrier()" in problem for problem in problems):  # the snapshot before the kill may never have reached
+        return problems + resume_problems(job.samples)  # the disk: where the job resumed says nothing more
     resumed_at = [row["epoch"] for row in restarted]
     if not restarted:
         return problems + ["no rank trained after the restart"]
@@ -451,7 +454,9 @@ def check_two_nodes(script, workdir, say):
     if job.codes == [0, 0]:
         return ["it exited 0 without training when the nodes' snapshots differ: stop with an error instead"]
     errors = [line for line in job.output.splitlines() if line.startswith("error")]
-    say(f"it refused to train out of step, with: {errors[0] if errors else job.output.strip().splitlines()[-1]}")
+    if not errors:  # it stopped, but not on purpose: a crash is no refusal
+        return exit_problems(job, script)
+    say(f"it refused to train out of step, with: {errors[0]}")
     return []
 
 

@@ -18,8 +18,8 @@ changed; without the variables nothing happens.
     DistributedDataParallel directly during the pass, so no gradient was averaged (None: it never happened).
   - saves.jsonl: a JSON line per torch.save to a file: pid, rank, restart, path, `began` and `ended`, and `stack`,
     the calling frames outside the Python and torch installation ([file, line, function], outermost first).
-  - exits.jsonl: a JSON line per process that trained, as it exits (normally or by os._exit): pid, its last rank,
-    and `open`, whether its default process group was still initialized (destroy_process_group never called).
+  - exits.jsonl: a JSON line per process that trained and exits without an error (at its end, or by os._exit(0)):
+    pid, its last rank, restart, and `open`: its default process group was still initialized (never destroyed).
 - JOB_SLOW_SAVE=`SECONDS`: every torch.save to a file sleeps that long first: a slow disk, so a rank that does not
   wait for the snapshot to be on disk shows it.
 - JOB_KILL_AT=`RESTART:RANK:EPOCH`: that rank SIGKILLs itself as it begins that epoch in that attempt: a crash at a
@@ -188,15 +188,16 @@ if RECORD_DIR or KILL_AT:
                 _now["samples"] += _now["batch"]
             return _backward(self, *args, **kwargs)
 
-        def _noting_exit(*_):
-            if _passes[0]:
+        def _noting_exit(code=0):
+            crashed = code != 0 or hasattr(sys, "last_value")  # an uncaught exception sets it before atexit runs
+            if _passes[0] and not crashed:
                 import torch.distributed as dist
 
-                _append("exits.jsonl", json.dumps(dict(pid=os.getpid(), rank=_now["rank"],
+                _append("exits.jsonl", json.dumps(dict(pid=os.getpid(), rank=_now["rank"], restart=_restart(),
                                                        open=dist.is_available() and dist.is_initialized())))
 
         def _exiting_now(code):
-            _noting_exit()
+            _noting_exit(code)
             _exit(code)
 
         DistributedDataParallel.forward = _noting_ddp_forward
