@@ -273,8 +273,10 @@ def resume_problems(samples):
                "self.optimizer.load_state_dict(...) (_load_snapshot): Adam's running averages are part of the training"
                if what == "its optimizer's state" else
                "save self.model.module.state_dict() in the snapshot and load it back before wrapping in DDP")
-        return [f"rank {row['rank']} resumed epoch {row['epoch']} after the restart with {what} different from what "
-                f"they were after epoch {row['epoch'] - 1}, so the resumed run differs from one never interrupted: {fix}"]
+        those = "those" if what == "its parameters" else "the one"
+        return [f"rank {row['rank']} resumed epoch {row['epoch']} after the restart, but {what} differed from {those} "
+                f"it had at the end of epoch {row['epoch'] - 1}, so the resumed run is not the run that was "
+                f"interrupted: {fix}"]
     return []
 
 
@@ -298,8 +300,8 @@ def model_state_in(saved):
     return None
 
 
-def checkpoint_problems(writes, workdir):
-    path = last_saved(writes, workdir)
+def checkpoint_problems(job, workdir, script):
+    path = last_saved(job.writes, workdir)
     if path is None:
         return []  # writer_problems says it
     try:
@@ -310,8 +312,11 @@ def checkpoint_problems(writes, workdir):
     if state is None:
         return [f"{path.name} holds no model state_dict"]
     if set(state) == {f"module.{key}" for key in expected}:
+        saves = records(job, "saves.jsonl")
+        where = "".join(f" in what the save at {line} writes" for line in lines_in(saves[-1]["stack"] if saves else (),
+                                                                                     script, innermost=1))
         return [f"{path.name} holds the DDP wrapper's state_dict (every key starts with 'module.'), which a plain "
-                "model cannot load: save self.model.module.state_dict()"]
+                f"model cannot load: save self.model.module.state_dict(), the model inside DDP{where}"]
     try:
         make_workload().model.load_state_dict(state)
     except RuntimeError as error:
@@ -357,7 +362,7 @@ def training_problems(job, workdir, epochs, script, multinode=False, snapshots=F
         return trained
     problems = (ddp_problems(job.samples) or divergence_problems(job.samples, script)) + shard_problems(job.samples)
     problems += order_problems(job.samples) + writer_problems(job, script, multinode)
-    problems += checkpoint_problems(job.writes, workdir) + (barrier_problems(job, script) if snapshots else [])
+    problems += checkpoint_problems(job, workdir, script) + (barrier_problems(job, script) if snapshots else [])
     if not job.ok:
         return problems or exit_problems(job, script)
     return problems + loss_problems(job.output, epochs, job.samples) + teardown_problems(job)
