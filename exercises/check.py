@@ -109,7 +109,8 @@ def exit_problems(job, script=None):
     errors = [line for line in lines if re.match(r"(error: |\w+(Error|Exception)\b)", line) and not NOISE.search(line)]
     errors = list(dict.fromkeys(errors))  # every rank, every restart says the same: once is enough
     where = traceback_line(output, script) if script else None
-    shown_lines = "\n".join("      " + line for line in (errors[:4] or [line for line in lines if not NOISE.search(line)][-8:]))
+    errors = errors[:4] or [line for line in lines if not NOISE.search(line)][-8:]
+    shown_lines = "\n".join("      " + line for line in errors)
     return [f"it exited with code {failed[0]}" + (f", at {where}" if where else "") +
             f"; what it printed about that:\n{shown_lines}"]
 
@@ -192,7 +193,8 @@ def writer_problems(job, script, multinode=False):
     if len(ranks) > 1:
         fix = ("only global rank 0 writes (RANK, or dist.get_rank()): LOCAL_RANK is 0 on every node, so "
                f"`if local_rank == 0:` makes one writer per node; test the global rank{at}" if multinode
-               else f"the replicas are identical, so one writer is enough: only rank 0 writes (`if self.rank == 0:`{at})")
+               else "the replicas are identical, so one writer is enough: only rank 0 writes "
+               f"(`if self.rank == 0:`{at})")
         return [f"ranks {listed(ranks)} all wrote {listed(files)}: {fix}"]
     if ranks != [0] and ranks != [None]:
         return [f"rank {ranks[0]} wrote {listed(files)}, not rank 0: by convention rank 0 writes files{at}"]
@@ -245,7 +247,8 @@ def teardown_problems(job):
     still_open = sorted({row["rank"] for row in exits if row["open"] and row["restart"] == last}, key=str)
     if not still_open:
         return []
-    ranks = f"ranks {listed(still_open)} exited with their" if len(still_open) > 1 else f"rank {still_open[0]} exited with its"
+    ranks = (f"ranks {listed(still_open)} exited with their" if len(still_open) > 1
+             else f"rank {still_open[0]} exited with its")
     return [f"{ranks} process group still open: call dist.destroy_process_group() "
             "at the end of main, on every rank (before exit_without_teardown()); it closes the connections to the "
             "other ranks (with NCCL, a group left open can hang the exit or leak GPU memory)"]
@@ -334,7 +337,8 @@ def loss_problems(output, epochs, samples):
         return [f"the model did not learn: the loss went from {losses[0]} (epoch 0) to {losses[epochs - 1]} "
                 f"(epoch {epochs - 1})"]
     for epoch, printed in sorted(losses.items()):  # the last attempt's record of each epoch, rank by rank
-        own = {row["rank"]: row for row in samples if (row["number"] if row["epoch"] is None else row["epoch"]) == epoch}
+        own = {row["rank"]: row for row in samples
+               if (row["number"] if row["epoch"] is None else row["epoch"]) == epoch}
         if len(own) < 2 or any(row.get("loss") is None for row in own.values()):
             continue
         weights = {rank: len(row["indices"]) for rank, row in own.items()}
@@ -403,7 +407,7 @@ def check_resume(script, workdir, say):
         return problems + ["no rank trained after the restart"]
     if None in resumed_at:
         return problems + ["the restarted job's sampler has no epoch: use a DistributedSampler and set_epoch"]
-    first = min(resumed_at)
+    first, judged = min(resumed_at), len(problems)
     if first == 0:
         problems.append(f"after the kill in epoch {KILLED_EPOCH} the restarted job started over from epoch 0: "
                         f"epochs 0-{KILLED_EPOCH - 1} were lost. Save a snapshot (model, optimizer, epochs run) every "
@@ -416,6 +420,8 @@ def check_resume(script, workdir, say):
                         "interrupted: resume at the first epoch that did not finish")
     if max(resumed_at) != epochs - 1:
         problems.append(f"the restarted job stopped after epoch {max(resumed_at)}, not {epochs - 1}")
+    if len(problems) > judged:  # resumed at the wrong epoch, its state cannot be the one that epoch began with
+        return problems
     return problems + resume_problems(job.samples)
 
 

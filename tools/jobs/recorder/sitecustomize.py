@@ -29,8 +29,10 @@ changed; without the variables nothing happens.
 - JOB_STALL_INIT=`RANK`: the process of that global rank never reaches init_process_group (it sleeps instead): a
   rank stuck before the process group forms, or one whose address cannot be reached.
 """
+import json
 import os
 import sys
+import time
 
 RECORD_DIR = os.environ.get("JOB_RECORD_DIR")
 SLOW_SAVE = float(os.environ.get("JOB_SLOW_SAVE") or 0)
@@ -68,9 +70,6 @@ def _stack():
 
 
 if RECORD_DIR:
-    import json
-    import time
-
     import torch
 
     _save = torch.save
@@ -91,12 +90,9 @@ if RECORD_DIR:
     torch.save = _recording_save
 
 if RECORD_DIR or KILL_AT:
-    import json
     import signal
-    import time
 
     import torch
-
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import BatchSampler
 
@@ -121,10 +117,14 @@ if RECORD_DIR or KILL_AT:
             _now["bypass"] = _stack()
 
     def _hash(tensors):
+        """A short digest of the tensors' bytes; None when one is not a plain tensor (a DTensor shard of FSDP, whose
+        bytes would take a collective to read): only DDP's replicas are compared."""
         import hashlib
 
         digest = hashlib.sha1()
         for tensor in tensors:
+            if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+                return None
             digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()[:16]
 
@@ -135,8 +135,9 @@ if RECORD_DIR or KILL_AT:
     def _optimizer_hash():
         """The state of every optimizer alive (Adam's moments and step counts), in a fixed order."""
         states = [opt.state_dict()["state"] for opt in (ref() for ref in _optimizers) if opt is not None]
-        return _hash(torch.as_tensor(value) for state in states for key in sorted(state)
-                     for _, value in sorted(state[key].items()) if isinstance(value, (torch.Tensor, int, float)))
+        return _hash(value if isinstance(value, torch.Tensor) else torch.as_tensor(value) for state in states
+                     for key in sorted(state) for _, value in sorted(state[key].items())
+                     if isinstance(value, (torch.Tensor, int, float)))
 
     def _recording_batches(self):
         epoch, number = getattr(self.sampler, "epoch", None), _passes[0]
@@ -166,8 +167,8 @@ if RECORD_DIR or KILL_AT:
     if RECORD_DIR:
         import atexit
 
-        _ddp_forward, _optimizer_init, _backward, _exit = (DistributedDataParallel.forward, torch.optim.Optimizer.__init__,
-                                                           torch.Tensor.backward, os._exit)
+        _ddp_forward, _optimizer_init = DistributedDataParallel.forward, torch.optim.Optimizer.__init__
+        _backward, _exit = torch.Tensor.backward, os._exit
 
         def _noting_ddp_forward(self, *args, **kwargs):
             _now["in_ddp"] += 1
