@@ -13,7 +13,6 @@ the repository's tests use.
 """
 import argparse
 import itertools
-import json
 import linecache
 import re
 import shutil
@@ -26,7 +25,7 @@ sys.path.insert(0, str(REPO))  # run as `python exercises/check.py` from anywher
 
 import torch  # noqa: E402
 
-from tools.jobs import PYTHON, free_port, run, shown, torchrun, torchrun_node  # noqa: E402
+from tools.jobs import PYTHON, free_port, run, saved_name, shown, torchrun, torchrun_node  # noqa: E402
 from tools.jobs.output import epoch_losses  # noqa: E402
 from utils import make_workload  # noqa: E402
 
@@ -42,10 +41,10 @@ NOISE = re.compile(r"gloo|GLHF|Connection (reset|closed)|ChildFailedError|torch\
                    r"ProcessRaisedException|process \d+ terminated|DistBackendError|Traceback", re.I)
 
 
-def launch(commands, workdirs, record_dir, timeout, kill_at=None, extra_env=None):
+def launch(commands, workdirs, record_dir, timeout, kill_at=None, slow_save=None):
     """Run one command per node, each in its directory, until all end or `timeout` s pass (then kill them all);
     the finished job, with what it recorded."""
-    job = run(*commands, cwd=workdirs, logs=record_dir, record=True, kill_at=kill_at, env=extra_env,
+    job = run(*commands, cwd=workdirs, logs=record_dir, record=True, kill_at=kill_at, slow_save=slow_save,
               timeout=timeout, check=False)
     job.limit = timeout
     return job
@@ -58,12 +57,6 @@ def ranks_of(rows):
 def listed(numbers):
     numbers = [str(n) for n in numbers]
     return " and ".join(numbers) if len(numbers) < 3 else ", ".join(numbers[:-1]) + " and " + numbers[-1]
-
-
-def records(job, name):
-    """The JSON lines the recorder wrote to `name` (tools/jobs/recorder/sitecustomize.py says what each holds)."""
-    path = Path(job.logs_dir) / name
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def line_of(script, number, function):
@@ -182,13 +175,8 @@ def order_problems(samples):
     return []
 
 
-def saved_name(path):
-    """A saved file's name, a temporary one (`snapshot.pt.tmp`, `snapshot.pt.1234.tmp`) under the name it becomes."""
-    return re.sub(r"(\.\d+)?\.tmp$", "", Path(path).name)
-
-
 def writer_problems(job, script, multinode=False):
-    saves = records(job, "saves.jsonl")
+    saves = job.records("saves.jsonl")
     if not saves:
         return ["nothing was saved: save every save_every epochs (and after the last one)"]
     ranks = sorted({save["rank"] for save in saves}, key=str)
@@ -227,7 +215,7 @@ def divergence_problems(samples, script):
 
 def barrier_problems(job, script):
     """With every save slowed down, no rank may begin an epoch while the last snapshot is still being written."""
-    for save in records(job, "saves.jsonl"):
+    for save in job.records("saves.jsonl"):
         for row in job.samples:
             if (row["rank"] != save["rank"] and row["restart"] == save["restart"] and "began" in row
                     and save["began"] < row["began"] < save["ended"]):
@@ -240,7 +228,7 @@ def barrier_problems(job, script):
 
 
 def teardown_problems(job):
-    exits = records(job, "exits.jsonl")
+    exits = job.records("exits.jsonl")
     last = max((row["restart"] for row in exits), default=0)  # an attempt torchrun stopped ended as it could
     still_open = sorted({row["rank"] for row in exits if row["open"] and row["restart"] == last}, key=str)
     if not still_open:
@@ -313,7 +301,7 @@ def checkpoint_problems(job, workdir, script):
     if state is None:
         return [f"{path.name} holds no model state_dict"]
     if set(state) == {f"module.{key}" for key in expected}:
-        saves = records(job, "saves.jsonl")
+        saves = job.records("saves.jsonl")
         where = "".join(f" in what the save at {line} writes" for line in lines_in(saves[-1]["stack"] if saves else (),
                                                                                      script, innermost=1))
         return [f"{path.name} holds the DDP wrapper's state_dict (every key starts with 'module.'), which a plain "
@@ -390,7 +378,7 @@ def check_resume(script, workdir, say):
     say(f"         and killing rank 1 (SIGKILL) as it begins epoch {KILLED_EPOCH}; every save takes {SLOW_SAVE_S} s "
         "longer (a slow disk)")
     job = launch([cmd], [workdir], workdir / "records", timeout=120, kill_at=(0, 1, KILLED_EPOCH),
-                 extra_env={"JOB_SLOW_SAVE": SLOW_SAVE_S})
+                 slow_save=SLOW_SAVE_S)
     restarted = [row for row in job.samples if row["restart"] >= 1 and row["rank"] == 0]
     if not job.timed_out and not restarted and not any(row["restart"] == 0 and row["number"] >= KILLED_EPOCH - 1
                                                   for row in job.samples):
@@ -432,9 +420,9 @@ def check_two_nodes(script, workdir, say):
     cmd = [*torchrun_node(script, epochs, 1, endpoint=endpoint, run_id="check"), "--timeout", COLLECTIVE_TIMEOUT_S]
     shared = workdir / "shared"
     shared.mkdir()
-    say(f"running: {shown(cmd)}   (twice: 2 nodes sharing one directory)")
+    say(f"running: {shown(cmd)}   (twice: 2 nodes sharing one directory; every save takes {SLOW_SAVE_S} s longer)")
     job = launch([cmd, cmd], [shared, shared], workdir / "records-shared", timeout=120,
-                 extra_env={"JOB_SLOW_SAVE": SLOW_SAVE_S})
+                 slow_save=SLOW_SAVE_S)
     problems = training_problems(job, shared, epochs, script, multinode=True, snapshots=True)
     snapshot = last_saved(job.writes, shared)
     if problems or snapshot is None:

@@ -14,7 +14,8 @@ for the job to go on). `run()` starts a job and waits for it.
 The environment: the CPU (gloo) unless gpu=True, one compute thread per process, unbuffered output, and the
 repository on PYTHONPATH (a learner's script elsewhere still imports `utils`). With record=True the job's processes
 load recorder/sitecustomize.py, which records each torch.save and the samples each rank trains on, epoch by epoch;
-kill_at, skip_all_reduce and stall_init inject faults through it (its docstring says how).
+kill_at, skip_all_reduce and stall_init inject faults through it, and slow_save makes every save slower (its docstring
+says how).
 """
 import json
 import os
@@ -87,7 +88,8 @@ def machine_summary():
             + f", torch {torch.__version__}{load}")
 
 
-def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_reduce=None, stall_init=None):
+def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_reduce=None, stall_init=None,
+                slow_save=None):
     """The environment of a job's processes (see the module's docstring); `extra` last (a value None removes a
     variable; a PYTHONPATH in it goes before the repository's)."""
     extra = dict(extra or {})
@@ -102,6 +104,8 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
         env["JOB_RECORD_DIR"] = str(record_dir)
     if kill_at:
         env["JOB_KILL_AT"] = ":".join(map(str, kill_at))
+    if slow_save:
+        env["JOB_SLOW_SAVE"] = str(slow_save)
     if skip_all_reduce:
         env["JOB_SKIP_ALL_REDUCE"] = ":".join(map(str, skip_all_reduce))
     if stall_init is not None:
@@ -122,13 +126,14 @@ class Job:
     """
 
     def __init__(self, *commands, cwd, env=None, node_env=None, gpu=False, record=False, kill_at=None,
-                 skip_all_reduce=None, stall_init=None, logs=None):
+                 skip_all_reduce=None, stall_init=None, slow_save=None, logs=None):
         cwds = list(cwd) if isinstance(cwd, (list, tuple)) else [cwd] * len(commands)
         self.commands = [[str(part) for part in command] for command in commands]
         self.logs_dir = Path(logs or cwds[0])
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.recorded = record
-        env = environment(env, gpu, self.logs_dir if record else None, kill_at, skip_all_reduce, stall_init)
+        env = environment(env, gpu, self.logs_dir if record else None, kill_at, skip_all_reduce, stall_init,
+                          slow_save)
         self.logs = [self.logs_dir / f"node{node}.log" for node in range(len(commands))]
         self.began, self.timeline, self.codes = time.monotonic(), [], None
         self._offsets, self._queue = [0] * len(commands), []
@@ -295,15 +300,27 @@ class Job:
     def samples(self):
         return recorded_samples(self.logs_dir)
 
+    def records(self, name):
+        """The JSON lines of one of the recorder's files (saves.jsonl, exits.jsonl...; the recorder says what each
+        holds)."""
+        path = self.logs_dir / name
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
     def writers(self):
         """(ranks that wrote files, the files' names): a .tmp file counts under the name it was renamed to."""
         ranks = sorted({rank for _, rank, _ in self.writes}, key=str)
-        files = sorted({Path(path).name.removesuffix(".tmp") for _, _, path in self.writes})
+        files = sorted({saved_name(path) for _, _, path in self.writes})
         return ranks, files
 
     def describe(self):
         return "; ".join(f"node {node}: `{shown(command)}` exited {code}"
                          for node, (command, code) in enumerate(zip(self.commands, self.codes or self.poll())))
+
+
+def saved_name(path):
+    """A saved file's name; a temporary one (`snapshot.pt.tmp`, or utils.replacing's `snapshot.pt.1234.tmp`) under
+    the name it is renamed to."""
+    return re.sub(r"(\.\d+)?\.tmp$", "", Path(path).name)
 
 
 def recorded_writes(folder):
