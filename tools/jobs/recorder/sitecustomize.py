@@ -149,12 +149,15 @@ if RECORD_DIR or KILL_AT:
             before = dict(began=time.time(), params_before=_parameters_hash(), optimizer_before=_optimizer_hash())
             _now.update(in_pass=True, loss=0.0, samples=0, bypass=None)
         indices = []
-        for batch in _batches(self):
-            indices.extend(int(i) for i in batch)
-            _now["batch"] = len(batch)
-            yield batch
+        try:
+            for batch in _batches(self):
+                indices.extend(int(i) for i in batch)
+                _now["batch"] = len(batch)
+                yield batch
+        finally:  # also when the loop over the DataLoader is left early (a pass that is not recorded)
+            _now["in_pass"] = False
         if RECORD_DIR:  # here the last batch's step is done: the DataLoader asks for a batch after it
-            _now.update(in_pass=False, rank=_rank())
+            _now["rank"] = _rank()
             _append("samples.jsonl", json.dumps(dict(
                 pid=os.getpid(), rank=_rank(), restart=restart, sampler=type(self.sampler).__name__, epoch=epoch,
                 number=number, ddp=_wrapped[0], indices=indices, **before, ended=time.time(),
@@ -208,8 +211,6 @@ if RECORD_DIR or KILL_AT:
         atexit.register(_noting_exit)
 
 if SKIP_ALL_REDUCE:
-    import time
-
     import torch.distributed as dist
 
     _skip_rank, _skip_call = map(int, SKIP_ALL_REDUCE.split(":"))
@@ -226,8 +227,6 @@ if SKIP_ALL_REDUCE:
     dist.all_reduce = _all_reduce_but_skip_one
 
 if STALL_INIT:
-    import time
-
     import torch.distributed as dist
 
     _init_process_group = dist.init_process_group
