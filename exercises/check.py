@@ -5,12 +5,16 @@
     python exercises/check.py 3 my_nodes.py      # 3. two nodes: one writer, and every node resumes alike
     python exercises/check.py 4 my_accum.py      # 4. gradient accumulation with no_sync (the GPT of step 6)
 
-It prints what is missing or wrong, in the exercise's terms, and exits 0 only when everything is right. What the
-processes did (the samples each rank trained on, who saved which file) is recorded by tools/jobs, the same job
-runner the repository's tests use.
+It prints what is missing or wrong, in the exercise's terms and with the line to change, and exits 0 only when
+everything is right. It judges what the processes did, not how the script is written: the samples each rank trained
+on, every rank's parameters after each epoch (DDP keeps them equal), the losses each rank computed (the printed one
+is their mean), who saved which file, from which line and when, the state a restarted job resumes from (the one the
+killed job had), whether each process closed its process group. tools/jobs records all that, the same job runner
+the repository's tests use.
 """
 import argparse
 import itertools
+import linecache
 import os
 import re
 import shutil
@@ -23,7 +27,7 @@ sys.path.insert(0, str(REPO))  # run as `python exercises/check.py` from anywher
 
 import torch  # noqa: E402
 
-from tools.jobs import PYTHON, free_port, run, saved_as, shown, torchrun, torchrun_node  # noqa: E402
+from tools.jobs import PYTHON, free_port, run, saved_name, shown, torchrun, torchrun_node  # noqa: E402
 from tools.jobs.output import epoch_losses  # noqa: E402
 from utils import make_workload  # noqa: E402
 
@@ -31,12 +35,19 @@ EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes", 4: "4_grad_acc
 WORLD_SIZE = 2
 COLLECTIVE_TIMEOUT_S = 60  # passed as --timeout: a stuck collective fails instead of hanging forever (slow starts pass)
 KILLED_EPOCH = 2  # exercise 2 kills rank 1 as it begins this epoch
+SLOW_SAVE_S = 0.5  # exercises 2 and 3 make every save this much slower (a slow disk): a rank that runs ahead shows,
+# even on a busy machine that delays it for a moment
+LOSS_TOLERANCE = 1e-4  # the epoch line prints 4 decimals: a printed loss within this of a value is that value
+# A failed job's output, without what gloo and torchrun print around the learner's own error (a peer that vanished
+# mid-collective, the launcher's summary of failed workers)
+NOISE = re.compile(r"gloo|GLHF|Connection (reset|closed)|ChildFailedError|torch\.distributed\.elastic|"
+                   r"ProcessRaisedException|process \d+ terminated|DistBackendError|Traceback", re.I)
 
 
-def launch(commands, workdirs, record_dir, timeout, kill_at=None, extra_env=None):
+def launch(commands, workdirs, record_dir, timeout, kill_at=None, slow_save=None):
     """Run one command per node, each in its directory, until all end or `timeout` s pass (then kill them all);
     the finished job, with what it recorded."""
-    job = run(*commands, cwd=workdirs, logs=record_dir, record=True, kill_at=kill_at, env=extra_env,
+    job = run(*commands, cwd=workdirs, logs=record_dir, record=True, kill_at=kill_at, slow_save=slow_save,
               timeout=timeout, check=False)
     job.limit = timeout
     return job
@@ -51,20 +62,57 @@ def listed(numbers):
     return " and ".join(numbers) if len(numbers) < 3 else ", ".join(numbers[:-1]) + " and " + numbers[-1]
 
 
+def line_of(script, number, function):
+    """`line N (in function: `code`)`, the learner's own line, as their editor shows it."""
+    code = linecache.getline(str(script), number).split("  #")[0].strip()  # the code, without its comment
+    return f"line {number} (in {function}: `{code}`)" if code else f"line {number} (in {function})"
+
+
+def lines_in(stack, script, innermost=2):
+    """The `innermost` frames of a recorded stack that are the learner's script's, innermost first."""
+    mine = [frame for frame in stack or () if Path(frame[0]) == Path(script)]
+    return [line_of(script, number, function) for _, number, function in reversed(mine[-innermost:])]
+
+
+def traceback_line(output, script, before=None):
+    """The learner's line a traceback in `output` ends in (before position `before`), or None."""
+    found = list(re.finditer(r'File "([^"]+)", line (\d+), in (\S+)', output[:before]))
+    mine = [match for match in found if Path(match[1]) == Path(script)]
+    return line_of(script, int(mine[-1][2]), mine[-1][3]) if mine else None
+
+
+# Crashes a learner's mistake causes, by the error they raise: (pattern, what to say; {where} is the learner's line)
+KNOWN_CRASHES = [
+    (r"sampler option is mutually exclusive with shuffle",
+     "the DataLoader was given shuffle=True and a DistributedSampler ({where}): the sampler does the shuffling (a new "
+     "order every epoch, from set_epoch, the same on every rank), so the DataLoader must not: pass shuffle=False"),
+]
+
+
 # Each *_problems function returns a list of sentences, empty when all is well.
 
-def exit_problems(job):
+def exit_problems(job, script=None):
     if job.timed_out:
         return [f"it did not finish within {job.limit} s and was stopped: a rank is probably waiting in a "
                 "collective (init_process_group, all_reduce, barrier) that another rank never reaches, such as a "
                 "barrier inside `if rank == 0:`, or ranks that run a different number of epochs"]
     failed = [code for code in job.codes if code != 0]
-    if failed:
-        lines = job.output.strip().splitlines()
-        errors = [line for line in lines if re.match(r"(\[rank\d+\]: )?(error: |\w+(Error|Exception)\b)", line)]
-        shown_lines = "\n".join("      " + line for line in (errors[:6] or lines[-12:]))
-        return [f"it exited with code {failed[0]}; what it printed about that:\n{shown_lines}"]
-    return []
+    if not failed:
+        return []
+    output = job.output
+    for pattern, verdict in KNOWN_CRASHES:
+        match = re.search(pattern, output)
+        if match:
+            return [verdict.format(where=traceback_line(output, script, match.start()) or "see its traceback")]
+    lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in output.strip().splitlines()]
+    errors = [line for line in lines if re.match(r"(error: |\w+(Error|Exception)\b)", line) and not NOISE.search(line)]
+    errors = list(dict.fromkeys(errors))  # every rank, every restart says the same: once is enough
+    first = output.find(errors[0]) if errors else None  # the learner's line its traceback ends in
+    where = traceback_line(output, script, first) if script else None
+    errors = errors[:4] or [line for line in lines if not NOISE.search(line)][-8:]
+    shown_lines = "\n".join("      " + line for line in errors)
+    return [f"it exited with code {failed[0]}" + (f", at {where}" if where else "") +
+            f"; what it printed about that:\n{shown_lines}"]
 
 
 def process_problems(samples):
@@ -90,17 +138,18 @@ def ddp_problems(samples):
 
 
 def epochs_of(samples):
-    """{(restart, pass number): {rank: indices}}: who trained on what, epoch by epoch."""
+    """{(restart, pass number): {rank: its record of that pass}}: what each rank did, epoch by epoch."""
     epochs = {}
     for row in samples:
-        epochs.setdefault((row["restart"], row["number"]), {})[row["rank"]] = row["indices"]
+        epochs.setdefault((row["restart"], row["number"]), {})[row["rank"]] = row
     return epochs
 
 
 def shard_problems(samples):
     dataset_size = len(make_workload().train_set)
-    for (restart, number), by_rank in sorted(epochs_of(samples).items()):
+    for (restart, number), rows in sorted(epochs_of(samples).items()):
         epoch = f"epoch {number}" + (f" after restart {restart}" if restart else "")
+        by_rank = {rank: row["indices"] for rank, row in rows.items()}
         for (rank_a, a), (rank_b, b) in itertools.combinations(sorted(by_rank.items()), 2):
             shared = set(a) & set(b)
             if len(shared) > WORLD_SIZE:  # DistributedSampler pads by < world_size samples to even out the shards
@@ -129,24 +178,104 @@ def order_problems(samples):
     return []
 
 
-def writer_problems(writes, multinode=False):
-    if not writes:
+def writer_problems(job, script, multinode=False):
+    saves = job.records("saves.jsonl")
+    if not saves:
         return ["nothing was saved: save every save_every epochs (and after the last one)"]
-    ranks = sorted({rank for _, rank, _ in writes}, key=str)
-    files = sorted({Path(saved_as(path)).name for _, _, path in writes})
+    ranks = sorted({save["rank"] for save in saves}, key=str)
+    files = sorted({saved_name(save["path"]) for save in saves})
+    where = lines_in(next(save["stack"] for save in saves if save["rank"] == ranks[-1]), script)
+    at = f" around the save at {', called from '.join(where)}" if where else ""
     if len(ranks) > 1:
-        fix = ("only global rank 0 (RANK, or dist.get_rank()) should write; LOCAL_RANK is 0 on every node"
-               if multinode else "the replicas are identical, so one writer is enough: `if self.rank == 0:`")
+        fix = ("only global rank 0 writes (RANK, or dist.get_rank()): LOCAL_RANK is 0 on every node, so "
+               f"`if local_rank == 0:` makes one writer per node; test the global rank{at}" if multinode
+               else "the replicas are identical, so one writer is enough: only rank 0 writes "
+               f"(`if self.rank == 0:`{at})")
         return [f"ranks {listed(ranks)} all wrote {listed(files)}: {fix}"]
     if ranks != [0] and ranks != [None]:
-        return [f"rank {ranks[0]} wrote {listed(files)}, not rank 0: by convention rank 0 writes files"]
+        return [f"rank {ranks[0]} wrote {listed(files)}, not rank 0: by convention rank 0 writes files{at}"]
+    return []
+
+
+def divergence_problems(samples, script):
+    """DDP keeps the replicas equal: after every epoch, every rank's parameters are the same, bit for bit."""
+    for (restart, number), rows in sorted(epochs_of(samples).items()):
+        rows = list(rows.values())
+        hashes = {row["rank"]: row.get("params") for row in rows}
+        if None in hashes.values() or len(set(hashes.values())) == 1:
+            continue
+        epoch = f"epoch {number}" + (f" after restart {restart}" if restart else "")
+        bypass = next((row["bypass"] for row in rows if row.get("bypass")), None)
+        where = lines_in(bypass, script, innermost=1)
+        fix = (f"At {where[0]} it calls the model inside DDP directly (self.model.module), which skips DDP's gradient "
+               "all-reduce: call the DDP-wrapped model, self.model(source)" if where else
+               "every training step must run forward and backward through the DDP-wrapped model")
+        return [f"after {epoch} the ranks' parameters differed (ranks {listed(sorted(hashes, key=str))} hold "
+                f"{len(set(hashes.values()))} different models): their gradients were not averaged, so each rank "
+                f"trained a model of its own. {fix}"]
+    return []
+
+
+def barrier_problems(job, script):
+    """With every save slowed down, no rank may begin an epoch while the last snapshot is still being written."""
+    for save in job.records("saves.jsonl"):
+        for row in job.samples:
+            if (row["rank"] != save["rank"] and row["restart"] == save["restart"] and "began" in row
+                    and save["began"] < row["began"] < save["ended"]):
+                return [f"rank {row['rank']} began epoch {row['epoch']} while rank {save['rank']} was still writing "
+                        f"{saved_name(save['path'])} (this check makes every save {SLOW_SAVE_S} s slower, as a slow "
+                        "disk would): a kill then loses the epoch before too. After the save, every rank must wait "
+                        "until it is on disk: dist.barrier(), on every rank, after the `if ... == 0:` save"
+                        + "".join(f" ({where})" for where in lines_in(save["stack"], script)[1:])]
+    return []
+
+
+def teardown_problems(job):
+    exits = job.records("exits.jsonl")
+    last = max((row["restart"] for row in exits), default=0)  # an attempt torchrun stopped ended as it could
+    still_open = sorted({row["rank"] for row in exits if row["open"] and row["restart"] == last}, key=str)
+    if not still_open:
+        return []
+    ranks = (f"ranks {listed(still_open)} exited with their" if len(still_open) > 1
+             else f"rank {still_open[0]} exited with its")
+    return [f"{ranks} process group still open: call dist.destroy_process_group() "
+            "at the end of main, on every rank (before exit_without_teardown()); it closes the connections to the "
+            "other ranks (with NCCL, a group left open can hang the exit or leak GPU memory)"]
+
+
+def resume_problems(samples):
+    """A run resumed from a snapshot goes on exactly as an uninterrupted one: the first epoch after a restart
+    starts from the very parameters and optimizer state the epoch before it ended with."""
+    first = {}
+    for row in samples:
+        first.setdefault(row["pid"], row)
+    for row in first.values():
+        if not row["restart"] or not row.get("epoch") or "params_before" not in row:
+            continue
+        before = [earlier for earlier in samples if earlier["rank"] == row["rank"] and earlier["epoch"] ==
+                  row["epoch"] - 1 and earlier["restart"] < row["restart"]]
+        if not before:
+            continue
+        before = before[-1]
+        what = ("its parameters" if row["params_before"] != before["params"] else
+                "its optimizer's state" if row["optimizer_before"] != before["optimizer"] else None)
+        if what is None:
+            continue
+        fix = ("save self.optimizer.state_dict() in the snapshot (_save_snapshot) and load it back with "
+               "self.optimizer.load_state_dict(...) (_load_snapshot): Adam's running averages are part of the training"
+               if what == "its optimizer's state" else
+               "save self.model.module.state_dict() in the snapshot and load it back before wrapping in DDP")
+        those = "those" if what == "its parameters" else "the one"
+        return [f"rank {row['rank']} resumed epoch {row['epoch']} after the restart, but {what} differed from {those} "
+                f"it had at the end of epoch {row['epoch'] - 1}, so the resumed run is not the run that was "
+                f"interrupted: {fix}"]
     return []
 
 
 def last_saved(writes, workdir):
     """The file the job saved last (a .tmp written then renamed counts under its final name), or None."""
     for _, _, path in reversed(writes):
-        final = Path(saved_as(path))
+        final = Path(path).with_name(saved_name(path))
         if final.exists():
             return final
     return None
@@ -163,8 +292,8 @@ def model_state_in(saved):
     return None
 
 
-def checkpoint_problems(writes, workdir):
-    path = last_saved(writes, workdir)
+def checkpoint_problems(job, workdir, script):
+    path = last_saved(job.writes, workdir)
     if path is None:
         return []  # writer_problems says it
     try:
@@ -175,8 +304,11 @@ def checkpoint_problems(writes, workdir):
     if state is None:
         return [f"{path.name} holds no model state_dict"]
     if set(state) == {f"module.{key}" for key in expected}:
+        saves = job.records("saves.jsonl")
+        where = "".join(f" in what the save at {line} writes" for line in lines_in(saves[-1]["stack"] if saves else (),
+                                                                                     script, innermost=1))
         return [f"{path.name} holds the DDP wrapper's state_dict (every key starts with 'module.'), which a plain "
-                "model cannot load: save self.model.module.state_dict()"]
+                f"model cannot load: save self.model.module.state_dict(), the model inside DDP{where}"]
     try:
         make_workload().model.load_state_dict(state)
     except RuntimeError as error:
@@ -184,7 +316,7 @@ def checkpoint_problems(writes, workdir):
     return []
 
 
-def loss_problems(output, epochs):
+def loss_problems(output, epochs, samples):
     losses = epoch_losses(output)
     missing = [epoch for epoch in range(epochs) if epoch not in losses]
     if missing:
@@ -193,17 +325,40 @@ def loss_problems(output, epochs):
     if not losses[epochs - 1] < 0.5 * losses[0]:
         return [f"the model did not learn: the loss went from {losses[0]} (epoch 0) to {losses[epochs - 1]} "
                 f"(epoch {epochs - 1})"]
+    for epoch, printed in sorted(losses.items()):  # the last attempt's record of each epoch, rank by rank
+        own = {row["rank"]: row for row in samples
+               if (row["number"] if row["epoch"] is None else row["epoch"]) == epoch}
+        if len(own) < 2 or any(row.get("loss") is None for row in own.values()):
+            continue
+        weights = {rank: len(row["indices"]) for rank, row in own.items()}
+        mean = sum(own[rank]["loss"] * weights[rank] for rank in own) / sum(weights.values())
+        if abs(printed - mean) <= LOSS_TOLERANCE:
+            continue
+        rank, nearest = min(((rank, row["loss"]) for rank, row in own.items()), key=lambda item: abs(item[1] - printed))
+        whose = (f"rank {rank}'s own loss ({nearest:.4f})" if abs(nearest - printed) <= LOSS_TOLERANCE
+                 else "neither the mean nor any one rank's loss")
+        return [f"epoch {epoch}'s printed loss {printed:.4f} is {whose}, not the mean over the ranks ({mean:.4f}): "
+                "before rank 0 prints, sum the [loss sum, samples] totals of every rank with dist.all_reduce(totals) "
+                "(on every rank), then divide"]
     return []
 
 
-def training_problems(job, workdir, epochs, multinode=False):
-    """Everything a correct data-parallel run shows, whatever the launcher."""
-    problems = exit_problems(job) or process_problems(job.samples)
-    if problems:
-        return problems
-    return (ddp_problems(job.samples) + shard_problems(job.samples) + order_problems(job.samples)
-            + writer_problems(job.writes, multinode) + checkpoint_problems(job.writes, workdir)
-            + loss_problems(job.output, epochs))
+def training_problems(job, workdir, epochs, script, multinode=False, snapshots=False):
+    """Everything a correct data-parallel run shows, whatever the launcher. What the records show names a mistake
+    better than the crash it may cause: a crash is shown only when the records explain nothing."""
+    if job.timed_out:
+        return exit_problems(job, script)
+    trained = process_problems(job.samples)
+    if trained and not job.ok:
+        return exit_problems(job, script)
+    if trained:
+        return trained
+    problems = (ddp_problems(job.samples) or divergence_problems(job.samples, script)) + shard_problems(job.samples)
+    problems += order_problems(job.samples) + writer_problems(job, script, multinode)
+    problems += checkpoint_problems(job, workdir, script) + (barrier_problems(job, script) if snapshots else [])
+    if not job.ok:
+        return problems or exit_problems(job, script)
+    return problems + loss_problems(job.output, epochs, job.samples) + teardown_problems(job)
 
 
 def check_ddp(script, workdir, say):
@@ -212,7 +367,7 @@ def check_ddp(script, workdir, say):
     cmd = [PYTHON, script, epochs, 1, "--world_size", WORLD_SIZE, "--timeout", COLLECTIVE_TIMEOUT_S]
     say(f"running: {shown(cmd)}")
     job = launch([cmd], [workdir], workdir / "records", timeout=90)
-    return training_problems(job, workdir, epochs)
+    return training_problems(job, workdir, epochs, script)
 
 
 def check_resume(script, workdir, say):
@@ -223,34 +378,41 @@ def check_resume(script, workdir, say):
     cmd = [*torchrun(script, epochs, 1, nproc=WORLD_SIZE, launcher_args=["--max_restarts=2"]),
            "--timeout", COLLECTIVE_TIMEOUT_S]
     say(f"running: {shown(cmd)}")
-    say(f"         and killing rank 1 (SIGKILL) as it begins epoch {KILLED_EPOCH}")
-    job = launch([cmd], [workdir], workdir / "records", timeout=120, kill_at=(0, 1, KILLED_EPOCH))
+    say(f"         and killing rank 1 (SIGKILL) as it begins epoch {KILLED_EPOCH}; every save takes {SLOW_SAVE_S} s "
+        "longer (a slow disk)")
+    job = launch([cmd], [workdir], workdir / "records", timeout=120, kill_at=(0, 1, KILLED_EPOCH),
+                 slow_save=SLOW_SAVE_S)
     restarted = [row for row in job.samples if row["restart"] >= 1 and row["rank"] == 0]
     if not job.timed_out and not restarted and not any(row["restart"] == 0 and row["number"] >= KILLED_EPOCH - 1
                                                   for row in job.samples):
-        return exit_problems(job) or [f"the job ended before epoch {KILLED_EPOCH}, so it was never killed"]
-    problems = training_problems(job, workdir, epochs)
+        return exit_problems(job, script) or [f"the job ended before epoch {KILLED_EPOCH}, so it was never killed"]
+    problems = training_problems(job, workdir, epochs, script, snapshots=True)
     if not job.ok:
         return problems
+    # without a barrier, the kill can land before the last snapshot is on disk: resuming an epoch early is then right
+    no_barrier = any("barrier()" in problem for problem in problems)
+    expected = [KILLED_EPOCH - 1, KILLED_EPOCH] if no_barrier else [KILLED_EPOCH]
     resumed_at = [row["epoch"] for row in restarted]
     if not restarted:
         return problems + ["no rank trained after the restart"]
     if None in resumed_at:
         return problems + ["the restarted job's sampler has no epoch: use a DistributedSampler and set_epoch"]
-    first = min(resumed_at)
+    first, judged = min(resumed_at), len(problems)
     if first == 0:
         problems.append(f"after the kill in epoch {KILLED_EPOCH} the restarted job started over from epoch 0: "
                         f"epochs 0-{KILLED_EPOCH - 1} were lost. Save a snapshot (model, optimizer, epochs run) every "
                         "save_every epochs, and at start load it, if it exists, and go on from there")
-    elif first < KILLED_EPOCH:
+    elif first < min(expected):
         problems.append(f"the restarted job repeated epoch {listed(range(first, KILLED_EPOCH))}, which finished and "
                         f"was saved before the kill: store the number of epochs *run* (epoch + 1) and start there")
-    elif first > KILLED_EPOCH:
+    elif first > max(expected):
         problems.append(f"the restarted job skipped epoch {listed(range(KILLED_EPOCH, first))}, which the kill "
                         "interrupted: resume at the first epoch that did not finish")
     if max(resumed_at) != epochs - 1:
         problems.append(f"the restarted job stopped after epoch {max(resumed_at)}, not {epochs - 1}")
-    return problems
+    if len(problems) > judged:  # resumed at the wrong epoch, its state cannot be the one that epoch began with
+        return problems
+    return problems + resume_problems(job.samples)
 
 
 def check_two_nodes(script, workdir, say):
@@ -261,9 +423,10 @@ def check_two_nodes(script, workdir, say):
     cmd = [*torchrun_node(script, epochs, 1, endpoint=endpoint, run_id="check"), "--timeout", COLLECTIVE_TIMEOUT_S]
     shared = workdir / "shared"
     shared.mkdir()
-    say(f"running: {shown(cmd)}   (twice: 2 nodes sharing one directory)")
-    job = launch([cmd, cmd], [shared, shared], workdir / "records-shared", timeout=120)
-    problems = training_problems(job, shared, epochs, multinode=True)
+    say(f"running: {shown(cmd)}   (twice: 2 nodes sharing one directory; every save takes {SLOW_SAVE_S} s longer)")
+    job = launch([cmd, cmd], [shared, shared], workdir / "records-shared", timeout=120,
+                 slow_save=SLOW_SAVE_S)
+    problems = training_problems(job, shared, epochs, script, multinode=True, snapshots=True)
     snapshot = last_saved(job.writes, shared)
     if problems or snapshot is None:
         return problems
@@ -286,13 +449,15 @@ def check_two_nodes(script, workdir, say):
                 "training, check that every rank resumes from the same epoch (all_reduce it) and stop with an "
                 "error that says to put --snapshot_path on storage every node shares"]
     if first_epoch:
-        return exit_problems(job)  # every rank resumed from the same epoch (e.g. rank 0's snapshot was shared)
+        return exit_problems(job, script)  # every rank resumed from the same epoch (e.g. rank 0's snapshot was shared)
     if job.timed_out:
         return [f"it hung for {job.limit} s instead of stopping with an error when the nodes' snapshots differ"]
     if job.codes == [0, 0]:
         return ["it exited 0 without training when the nodes' snapshots differ: stop with an error instead"]
     errors = [line for line in job.output.splitlines() if line.startswith("error")]
-    say(f"it refused to train out of step, with: {errors[0] if errors else job.output.strip().splitlines()[-1]}")
+    if not errors:  # it stopped, but not on purpose: a crash is no refusal
+        return exit_problems(job, script)
+    say(f"it refused to train out of step, with: {errors[0]}")
     return []
 
 

@@ -1,7 +1,9 @@
 """What a correct run of a step shows: assertions that several test files make about a finished job."""
+from pathlib import Path
+
 import torch
 
-from tools.jobs import output, saved_as
+from tools.jobs import output, saved_name
 from utils import make_workload
 
 
@@ -13,13 +15,13 @@ def assert_learned(text, epochs):
 
 
 def assert_one_writer(writes, expected_path):
-    """Exactly one process wrote files, it was rank 0 (or the only process), and it wrote `expected_path` (through a
-    temporary file of its own, renamed when complete)."""
+    """Exactly one process wrote files, it was rank 0 (or the only process), and it wrote `expected_path` (through
+    its own .tmp file, `NAME.PID.tmp`, renamed when complete)."""
     assert writes, "nothing was saved"
     writers = {(pid, rank) for pid, rank, _ in writes}
     assert len(writers) == 1, f"more than one process wrote: {writers}"
     assert {rank for _, rank in writers} <= {0, None}, f"the writer is not rank 0: {writers}"
-    assert {saved_as(path) for _, _, path in writes} == {str(expected_path)}, writes
+    assert {str(Path(path).with_name(saved_name(path))) for _, _, path in writes} == {str(expected_path)}, writes
 
 
 def assert_loads_into_fresh_model(path, key=None, workload="synthetic"):

@@ -138,3 +138,73 @@ def test_a_scheduler_stepped_per_micro_batch_shows_in_the_learning_rates(tmp_pat
     assert re.fullmatch(r"optimizer step \d+ used learning rate \S+, expected \S+: the warm-up \+ cosine schedule "
                         r"counts optimizer steps, so call scheduler.step\(\) once per optimizer step \(after the "
                         r"last micro-batch\), not once per micro-batch", problems), problems
+
+
+# Seeded mistakes: (exercise, edits to its solution, one pattern per verdict the checker must print, and no other).
+# The checker judges what the run did (every rank's parameters after each epoch, the losses each rank computed, what
+# was saved, when, by which line, the state a resumed run starts from), so mistakes whose effects are independent
+# share one run: each run costs 3 to 7 processes that import torch.
+BYPASS = (r"loss = self\.loss_fn\(self\.model\(source\)", "loss = self.loss_fn(self.model.module(source)")
+NO_ALL_REDUCE = (r"\n *dist\.all_reduce\(totals\).*", "")
+NO_DESTROY = (r"\n *dist\.destroy_process_group\(\)", "")
+NO_BARRIER = (r"\n *dist\.barrier\(\).*", "")
+NO_OPTIMIZER_SAVED = (r"OPTIMIZER_STATE=self\.optimizer\.state_dict\(\),", "")
+NO_OPTIMIZER_LOADED = (r"\n *self\.optimizer\.load_state_dict\(snapshot\[\"OPTIMIZER_STATE\"\]\)", "")
+EVERY_RANK_SAVES = (r"if self\.rank == 0:  # the replicas are identical.*\n *", "")
+MISTAKES = {
+    "ddp-bypassed, loss of rank 0 alone, the wrapper saved, the group left open": (1, [
+        BYPASS, NO_ALL_REDUCE, NO_DESTROY,
+        (r"torch\.save\(self\.model\.module\.state_dict\(\)", "torch.save(self.model.state_dict()")], [
+        r"^after epoch 0 the ranks' parameters differed .*: their gradients were not averaged.* At line \d+ \(in "
+        r"_run_batch: `loss = self\.loss_fn\(self\.model\.module\(source\), targets\)`\) it calls the model inside "
+        r"DDP directly .*: call the DDP-wrapped model, self\.model\(source\)$",
+        r"^epoch \d+'s printed loss [\d.]+ is rank 0's own loss \([\d.]+\), not the mean over the ranks \([\d.]+\): "
+        r".*dist\.all_reduce\(totals\)",
+        r"^checkpoint\.pt holds the DDP wrapper's state_dict .*: save self\.model\.module\.state_dict\(\), the model "
+        r"inside DDP in what the save at line \d+ \(in _save_checkpoint: `torch\.save\(self\.model\.state_dict\(\)",
+        r"^ranks 0 and 1 exited with their process group still open: call dist\.destroy_process_group\(\)"]),
+    "shuffle=True with a DistributedSampler": (1, [(r"shuffle=False,", "shuffle=True,")], [
+        r"^the DataLoader was given shuffle=True and a DistributedSampler \(line \d+ \(in prepare_dataloader: "
+        r"`return DataLoader\(.*\)\): the sampler does the shuffling .* pass shuffle=False$"]),
+    "no optimizer in the snapshot, no barrier after the save": (2, [
+        NO_OPTIMIZER_SAVED, NO_OPTIMIZER_LOADED, NO_BARRIER], [
+        r"^rank 1 began epoch \d while rank 0 was still writing snapshot\.pt .*: dist\.barrier\(\), on every rank, "
+        r"after the `if \.\.\. == 0:` save \(line \d+ \(in train: `self\._save_snapshot\(epoch\)`\)\)$",
+        r"^rank \d resumed epoch \d after the restart, but its optimizer's state differed from the one it had at the "
+        r"end of epoch \d, .*: save self\.optimizer\.state_dict\(\) in the snapshot"]),
+    "the optimizer saved but not loaded, every rank saves": (2, [NO_OPTIMIZER_LOADED, EVERY_RANK_SAVES], [
+        r"^ranks 0 and 1 all wrote snapshot\.pt: .*only rank 0 writes \(`if self\.rank == 0:` around the save at line "
+        r"\d+ \(in _save_snapshot: `torch\.save\(snapshot, tmp\)`\), called from line \d+ \(in train: "
+        r"`self\._save_snapshot\(epoch\)`\)\)$",
+        r"^rank \d resumed epoch 2 after the restart, but its optimizer's state differed"]),
+    "the DDP wrapper's state in the snapshot": (2, [
+        (r"MODEL_STATE=self\.model\.module\.state_dict\(\)", "MODEL_STATE=self.model.state_dict()")], [
+        r"^snapshot\.pt holds the DDP wrapper's state_dict \(every key starts with 'module\.'\), which a plain model "
+        r"cannot load: save self\.model\.module\.state_dict\(\)"]),
+    "LOCAL_RANK 0 as the writer": (3, [
+        (r"if self\.global_rank == 0:  # one writer", "if self.local_rank == 0:  # one writer")], [
+        r"^ranks 0 and 1 all wrote snapshot\.pt: only global rank 0 writes .*LOCAL_RANK is 0 on every node, .* "
+        r"called from line \d+ \(in train: `self\._save_snapshot\(epoch\)`\)$"]),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if MISTAKES[name][0] > 1 else [])
+                                  for name in MISTAKES])
+def test_a_seeded_mistake_gets_the_verdict_that_names_it_and_nothing_else(name, tmp_path, monkeypatch, capsys):
+    """`python exercises/check.py N mistaken.py` (main(), in this process) exits non-zero with one verdict per
+    mistake, in the learner's terms and naming their line, and none of what gloo and torchrun print around a crash."""
+    from exercises import check as checker
+
+    number, edits, verdicts = MISTAKES[name]
+    mistaken = seeded(tmp_path, STEPS[number], *edits)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["check.py", str(number), str(mistaken)])
+    with pytest.raises(SystemExit) as stop:
+        checker.main()
+    printed = capsys.readouterr().out
+    problems = [line.strip()[2:] for line in printed.splitlines() if line.strip().startswith("✗ ")]
+    hints = f"exercises/{checker.EXERCISES[number]}/hints.md"
+    assert stop.value.code == f"{len(verdicts)} problem(s). Hints: {hints}", printed  # a message: exit status 1
+    for verdict in verdicts:
+        assert any(re.search(verdict, problem) for problem in problems), f"no verdict matches {verdict!r}:\n{printed}"
+    assert not re.search(r"GLHF|Connection reset|\[rank\d\]:|Traceback|Error:", printed), printed

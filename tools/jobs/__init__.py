@@ -15,7 +15,8 @@ The environment: the CPU (gloo) unless gpu=True, one compute thread per process,
 repository on PYTHONPATH (a learner's script elsewhere still imports `utils`). With record=True the job's processes
 load recorder/sitecustomize.py, which records each torch.save and the samples each rank trains on, epoch by epoch;
 record_steps=True adds every optimizer step (its learning rate, and the gradient all-reduces DDP ran for it); kill_at,
-skip_all_reduce and stall_init inject faults through it (its docstring says how).
+skip_all_reduce and stall_init inject faults through it, and slow_save makes every save slower (its docstring
+says how).
 """
 import json
 import os
@@ -89,7 +90,7 @@ def machine_summary():
 
 
 def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_reduce=None, stall_init=None,
-                record_steps=False):
+                record_steps=False, slow_save=None):
     """The environment of a job's processes (see the module's docstring); `extra` last (a value None removes a
     variable; a PYTHONPATH in it goes before the repository's)."""
     extra = dict(extra or {})
@@ -106,6 +107,8 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
         env["JOB_RECORD_STEPS"] = "1"
     if kill_at:
         env["JOB_KILL_AT"] = ":".join(map(str, kill_at))
+    if slow_save:
+        env["JOB_SLOW_SAVE"] = str(slow_save)
     if skip_all_reduce:
         env["JOB_SKIP_ALL_REDUCE"] = ":".join(map(str, skip_all_reduce))
     if stall_init is not None:
@@ -127,14 +130,14 @@ class Job:
     """
 
     def __init__(self, *commands, cwd, env=None, node_env=None, gpu=False, record=False, kill_at=None,
-                 skip_all_reduce=None, stall_init=None, logs=None, record_steps=False):
+                 skip_all_reduce=None, stall_init=None, slow_save=None, logs=None, record_steps=False):
         cwds = list(cwd) if isinstance(cwd, (list, tuple)) else [cwd] * len(commands)
         self.commands = [[str(part) for part in command] for command in commands]
         self.logs_dir = Path(logs or cwds[0])
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.recorded = record = record or record_steps
         env = environment(env, gpu, self.logs_dir if record else None, kill_at, skip_all_reduce, stall_init,
-                          record_steps)
+                          record_steps, slow_save)
         self.logs = [self.logs_dir / f"node{node}.log" for node in range(len(commands))]
         self.began, self.timeline, self.codes = time.monotonic(), [], None
         self._offsets, self._queue = [0] * len(commands), []
@@ -305,10 +308,16 @@ class Job:
     def steps(self):
         return recorded_steps(self.logs_dir)
 
+    def records(self, name):
+        """The JSON lines of one of the recorder's files (saves.jsonl, exits.jsonl...; the recorder says what each
+        holds)."""
+        path = self.logs_dir / name
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
     def writers(self):
         """(ranks that wrote files, the files' names): a temporary file counts under the name it was renamed to."""
         ranks = sorted({rank for _, rank, _ in self.writes}, key=str)
-        files = sorted({Path(saved_as(path)).name for _, _, path in self.writes})
+        files = sorted({saved_name(path) for _, _, path in self.writes})
         return ranks, files
 
     def describe(self):
@@ -316,10 +325,10 @@ class Job:
                          for node, (command, code) in enumerate(zip(self.commands, self.codes or self.poll())))
 
 
-def saved_as(path):
-    """The file a recorded write ends up as: a temporary (`NAME.tmp`, or the steps' `NAME.PID.tmp`) counts under the
-    name it is renamed to once complete."""
-    return re.sub(r"(\.\d+)?\.tmp$", "", str(path))
+def saved_name(path):
+    """A saved file's name; a temporary one (`snapshot.pt.tmp`, or utils.replacing's `snapshot.pt.1234.tmp`) under
+    the name it is renamed to."""
+    return re.sub(r"(\.\d+)?\.tmp$", "", Path(path).name)
 
 
 def recorded_writes(folder):

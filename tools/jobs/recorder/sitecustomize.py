@@ -16,6 +16,18 @@ changed; without the variables nothing happens.
   syncs: one round), `buckets`, and `grad_norms` (each round's all-reduced gradient norm, over all its buckets). A
   DDP communication hook counts them: it wraps DDP's default all-reduce (divide by the world size, sum), so the
   numbers are those of the job without it. Gradient accumulation with no_sync() shows as one round per step.
+    Each line also holds what a correct data-parallel run keeps equal, hashed: the model's parameters and the
+    optimizer's state at the pass's start and end (`params_before`, `optimizer_before`, `params`, `optimizer`: equal
+    on every rank after an epoch, and equal across a restart when the snapshot holds all it must); `loss`, the mean
+    of the losses this rank called backward() on, weighted by batch size (what an all-reduce averages over ranks);
+    `began` and `ended` (time.time()); `bypass`, the first stack (see saves.jsonl) that called the model inside
+    DistributedDataParallel directly during the pass, so no gradient was averaged (None: it never happened).
+  - saves.jsonl: a JSON line per torch.save to a file: pid, rank, restart, path, `began` and `ended`, and `stack`,
+    the calling frames outside the Python and torch installation ([file, line, function], outermost first).
+  - exits.jsonl: a JSON line per process that trained and exits without an error (at its end, or by os._exit(0)):
+    pid, its last rank, restart, and `open`: its default process group was still initialized (never destroyed).
+- JOB_SLOW_SAVE=`SECONDS`: every torch.save to a file sleeps that long first: a slow disk, so a rank that does not
+  wait for the snapshot to be on disk shows it.
 - JOB_KILL_AT=`RESTART:RANK:EPOCH`: that rank SIGKILLs itself as it begins that epoch in that attempt: a crash at a
   known point (the epoch counts passes over the DataLoader when the sampler has no set_epoch).
 - JOB_SKIP_ALL_REDUCE=`RANK:N`: the process of that global rank skips its N-th torch.distributed.all_reduce and
@@ -23,10 +35,14 @@ changed; without the variables nothing happens.
 - JOB_STALL_INIT=`RANK`: the process of that global rank never reaches init_process_group (it sleeps instead): a
   rank stuck before the process group forms, or one whose address cannot be reached.
 """
+import json
 import os
+import sys
+import time
 
 RECORD_DIR = os.environ.get("JOB_RECORD_DIR")
 RECORD_STEPS = RECORD_DIR and os.environ.get("JOB_RECORD_STEPS")
+SLOW_SAVE = float(os.environ.get("JOB_SLOW_SAVE") or 0)
 KILL_AT = os.environ.get("JOB_KILL_AT")
 SKIP_ALL_REDUCE = os.environ.get("JOB_SKIP_ALL_REDUCE")
 STALL_INIT = os.environ.get("JOB_STALL_INIT")
@@ -45,54 +61,163 @@ def _append(name, line):
         record.write(line + "\n")
 
 
+def _restart():
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def _stack():
+    """The calling frames outside the Python and torch installation (the script's, the repository's), outermost
+    first, as [file, line, function]."""
+    import traceback
+
+    installed = (sys.base_prefix, sys.prefix, os.path.dirname(os.__file__), os.path.dirname(__file__))
+    return [[frame.filename, frame.lineno, frame.name] for frame in traceback.extract_stack()[:-2]
+            if not frame.filename.startswith(installed) and "site-packages" not in frame.filename
+            and not frame.filename.startswith("<")]
+
+
 if RECORD_DIR:
     import torch
 
     _save = torch.save
 
     def _recording_save(obj, f, *args, **kwargs):
+        to_file, began = isinstance(f, (str, os.PathLike)), time.time()  # not a stream (DCP's items go to streams)
+        if to_file and SLOW_SAVE:
+            time.sleep(SLOW_SAVE)
         result = _save(obj, f, *args, **kwargs)
-        if isinstance(f, (str, os.PathLike)):  # a file; not a stream (DCP saves its shards' items to streams)
+        if to_file:
             rank = _rank()
             _append("writes.tsv", f"{os.getpid()}\t{'-' if rank is None else rank}\t{os.path.abspath(f)}")
+            _append("saves.jsonl", json.dumps(dict(pid=os.getpid(), rank=rank, restart=_restart(),
+                                                   path=os.path.abspath(f), began=began, ended=time.time(),
+                                                   stack=_stack())))
         return result
 
     torch.save = _recording_save
 
 if RECORD_DIR or KILL_AT:
-    import json
     import signal
 
+    import torch
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import BatchSampler
 
     _passes = [0]  # passes over a DataLoader begun by this process
     _wrapped = [False]  # did this process build a DistributedDataParallel?
     _ddp_init, _batches = DistributedDataParallel.__init__, BatchSampler.__iter__
+    # What the pass under way has seen: its batch's size, the losses backward() was called on, a bypass of DDP
+    _now = dict(in_pass=False, in_ddp=0, batch=0, loss=0.0, samples=0, bypass=None, rank=None)
+    _models, _optimizers = [], []  # weak references: the DDP-wrapped models and the optimizers this process built
 
     def _noting_ddp_init(self, *args, **kwargs):
         _wrapped[0] = True
         _ddp_init(self, *args, **kwargs)
         if RECORD_STEPS:
             self.register_comm_hook(None, _counting_all_reduce)
+        if RECORD_DIR:
+            import weakref
+
+            _models.append(weakref.ref(self.module))
+            self.module.register_forward_pre_hook(_noting_bypass)
+
+    def _noting_bypass(module, inputs):
+        if _now["in_pass"] and not _now["in_ddp"] and _now["bypass"] is None:
+            _now["bypass"] = _stack()
+
+    def _hash(tensors):
+        """A short digest of the tensors' bytes; None when one is not a plain tensor (a DTensor shard of FSDP, whose
+        bytes would take a collective to read): only DDP's replicas are compared."""
+        import hashlib
+
+        digest = hashlib.sha1()
+        for tensor in tensors:
+            if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+                return None
+            digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    def _parameters_hash():
+        models = [model for model in (ref() for ref in _models) if model is not None]
+        return _hash(p for model in models for p in model.parameters()) if models else None
+
+    def _optimizer_hash():
+        """The state of every optimizer alive (Adam's moments and step counts), in a fixed order."""
+        states = [opt.state_dict()["state"] for opt in (ref() for ref in _optimizers) if opt is not None]
+        return _hash(value if isinstance(value, torch.Tensor) else torch.as_tensor(value) for state in states
+                     for key in sorted(state) for _, value in sorted(state[key].items())
+                     if isinstance(value, (torch.Tensor, int, float)))
 
     def _recording_batches(self):
         epoch, number = getattr(self.sampler, "epoch", None), _passes[0]
         _passes[0] += 1
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        restart = _restart()
         if KILL_AT == f"{restart}:{_rank()}:{number if epoch is None else epoch}":
             os.kill(os.getpid(), signal.SIGKILL)
-        indices = []
-        for batch in _batches(self):
-            indices.extend(int(i) for i in batch)
-            yield batch
         if RECORD_DIR:
+            before = dict(began=time.time(), params_before=_parameters_hash(), optimizer_before=_optimizer_hash())
+            _now.update(in_pass=True, loss=0.0, samples=0, bypass=None)
+        indices = []
+        try:
+            for batch in _batches(self):
+                indices.extend(int(i) for i in batch)
+                _now["batch"] = len(batch)
+                yield batch
+        finally:  # also when the loop over the DataLoader is left early (a pass that is not recorded)
+            _now["in_pass"] = False
+        if RECORD_DIR:  # here the last batch's step is done: the DataLoader asks for a batch after it
+            _now["rank"] = _rank()
             _append("samples.jsonl", json.dumps(dict(
                 pid=os.getpid(), rank=_rank(), restart=restart, sampler=type(self.sampler).__name__, epoch=epoch,
-                number=number, ddp=_wrapped[0], indices=indices)))
+                number=number, ddp=_wrapped[0], indices=indices, **before, ended=time.time(),
+                params=_parameters_hash(), optimizer=_optimizer_hash(),
+                loss=_now["loss"] / _now["samples"] if _now["samples"] else None, bypass=_now["bypass"])))
 
     DistributedDataParallel.__init__ = _noting_ddp_init
     BatchSampler.__iter__ = _recording_batches
+
+    if RECORD_DIR:
+        import atexit
+
+        _ddp_forward, _optimizer_init = DistributedDataParallel.forward, torch.optim.Optimizer.__init__
+        _backward, _exit = torch.Tensor.backward, os._exit
+
+        def _noting_ddp_forward(self, *args, **kwargs):
+            _now["in_ddp"] += 1
+            try:
+                return _ddp_forward(self, *args, **kwargs)
+            finally:
+                _now["in_ddp"] -= 1
+
+        def _noting_optimizer_init(self, *args, **kwargs):
+            import weakref
+
+            _optimizer_init(self, *args, **kwargs)
+            _optimizers.append(weakref.ref(self))
+
+        def _noting_backward(self, *args, **kwargs):
+            if _now["in_pass"] and self.numel() == 1:  # a loss: weighted by its batch's size, as the steps average
+                _now["loss"] += self.item() * _now["batch"]
+                _now["samples"] += _now["batch"]
+            return _backward(self, *args, **kwargs)
+
+        def _noting_exit(code=0):
+            crashed = code != 0 or hasattr(sys, "last_value")  # an uncaught exception sets it before atexit runs
+            if _passes[0] and not crashed:
+                import torch.distributed as dist
+
+                _append("exits.jsonl", json.dumps(dict(pid=os.getpid(), rank=_now["rank"], restart=_restart(),
+                                                       open=dist.is_available() and dist.is_initialized())))
+
+        def _exiting_now(code):
+            _noting_exit(code)
+            _exit(code)
+
+        DistributedDataParallel.forward = _noting_ddp_forward
+        torch.optim.Optimizer.__init__ = _noting_optimizer_init
+        torch.Tensor.backward = _noting_backward
+        os._exit = _exiting_now
+        atexit.register(_noting_exit)
 
 if RECORD_STEPS:
     import math
@@ -131,8 +256,6 @@ if RECORD_STEPS:
     register_optimizer_step_pre_hook(_recording_step)
 
 if SKIP_ALL_REDUCE:
-    import time
-
     import torch.distributed as dist
 
     _skip_rank, _skip_call = map(int, SKIP_ALL_REDUCE.split(":"))
@@ -149,8 +272,6 @@ if SKIP_ALL_REDUCE:
     dist.all_reduce = _all_reduce_but_skip_one
 
 if STALL_INIT:
-    import time
-
     import torch.distributed as dist
 
     _init_process_group = dist.init_process_group
