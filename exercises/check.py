@@ -217,16 +217,21 @@ def divergence_problems(samples, script):
 
 
 def barrier_problems(job, script):
-    """With every save slowed down, no rank may begin an epoch while the last snapshot is still being written."""
-    for save in job.records("saves.jsonl"):
-        for row in job.samples:
-            if (row["rank"] != save["rank"] and row["restart"] == save["restart"] and "began" in row
-                    and save["began"] < row["began"] < save["ended"]):
+    """With every save slowed down, no rank may begin an epoch while the last snapshot is still being written (a save
+    that a kill cut short was still being written when the job ended)."""
+    begins = job.records("begins.jsonl")
+    ended = {(save["pid"], save["began"]): save for save in job.records("saves.jsonl")}
+    for save in (row for row in begins if row["what"] == "save"):
+        done = ended.get((save["pid"], save["began"]))
+        for row in begins:
+            if (row["what"] == "pass" and row["rank"] != save["rank"] and row["restart"] == save["restart"]
+                    and save["began"] < row["began"] < (done["ended"] if done else float("inf"))):
+                where = lines_in(done["stack"], script)[1:] if done else []
                 return [f"rank {row['rank']} began epoch {row['epoch']} while rank {save['rank']} was still writing "
-                        f"{saved_name(save['path'])} (this check makes every save {SLOW_SAVE_S} s slower, as a slow "
-                        "disk would): a kill then loses the epoch before too. After the save, every rank must wait "
-                        "until it is on disk: dist.barrier(), on every rank, after the `if ... == 0:` save"
-                        + "".join(f" ({where})" for where in lines_in(save["stack"], script)[1:])]
+                        f"the snapshot (this check makes every save {SLOW_SAVE_S} s slower, as a slow disk would): a "
+                        "kill then loses the epoch before too. After the save, every rank must wait until it is on "
+                        "disk: dist.barrier(), on every rank, after the `if ... == 0:` save"
+                        + "".join(f" ({place})" for place in where)]
     return []
 
 

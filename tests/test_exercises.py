@@ -168,8 +168,8 @@ MISTAKES = {
         r"`return DataLoader\(.*\)\): the sampler does the shuffling .* pass shuffle=False$"]),
     "no optimizer in the snapshot, no barrier after the save": (2, [
         NO_OPTIMIZER_SAVED, NO_OPTIMIZER_LOADED, NO_BARRIER], [
-        r"^rank 1 began epoch \d while rank 0 was still writing snapshot\.pt .*: dist\.barrier\(\), on every rank, "
-        r"after the `if \.\.\. == 0:` save \(line \d+ \(in train: `self\._save_snapshot\(epoch\)`\)\)$",
+        r"^rank 1 began epoch \d while rank 0 was still writing the snapshot .*: dist\.barrier\(\), on every rank, "
+        r"after the `if \.\.\. == 0:` save( \(line \d+ \(in train: `self\._save_snapshot\(epoch\)`\)\))?$",
         r"^rank \d resumed epoch \d after the restart, but its optimizer's state differed from the one it had at the "
         r"end of epoch \d, .*: save self\.optimizer\.state_dict\(\) in the snapshot"]),
     "the optimizer saved but not loaded, every rank saves": (2, [NO_OPTIMIZER_LOADED, EVERY_RANK_SAVES], [

@@ -24,6 +24,8 @@ changed; without the variables nothing happens.
     DistributedDataParallel directly during the pass, so no gradient was averaged (None: it never happened).
   - saves.jsonl: a JSON line per torch.save to a file: pid, rank, restart, path, `began` and `ended`, and `stack`,
     the calling frames outside the Python and torch installation ([file, line, function], outermost first).
+  - begins.jsonl: a JSON line as each save to a file and each pass begins (`what`: "save" or "pass"; pid, rank,
+    restart, `began`, and a pass's epoch), written before the work: a save or a pass that a kill cuts short shows.
   - exits.jsonl: a JSON line per process that trained and exits without an error (at its end, or by os._exit(0)):
     pid, its last rank, restart, and `open`: its default process group was still initialized (never destroyed).
 - JOB_SLOW_SAVE=`SECONDS`: every torch.save to a file sleeps that long first: a slow disk, so a rank that does not
@@ -83,6 +85,9 @@ if RECORD_DIR:
 
     def _recording_save(obj, f, *args, **kwargs):
         to_file, began = isinstance(f, (str, os.PathLike)), time.time()  # not a stream (DCP's items go to streams)
+        if to_file:  # noted before the write too: a save that a kill cuts short leaves no line in saves.jsonl
+            _append("begins.jsonl", json.dumps(dict(what="save", pid=os.getpid(), rank=_rank(), restart=_restart(),
+                                                    began=began)))
         if to_file and SLOW_SAVE:
             time.sleep(SLOW_SAVE)
         result = _save(obj, f, *args, **kwargs)
@@ -152,6 +157,9 @@ if RECORD_DIR or KILL_AT:
         epoch, number = getattr(self.sampler, "epoch", None), _passes[0]
         _passes[0] += 1
         restart = _restart()
+        if RECORD_DIR:  # before the kill below: the pass a rank is killed in has begun too
+            _append("begins.jsonl", json.dumps(dict(what="pass", pid=os.getpid(), rank=_rank(), restart=restart,
+                                                    epoch=epoch, began=time.time())))
         if KILL_AT == f"{restart}:{_rank()}:{number if epoch is None else epoch}":
             os.kill(os.getpid(), signal.SIGKILL)
         if RECORD_DIR:
