@@ -210,9 +210,6 @@ def test_a_worker_killed_mid_training_with_dropout_on_resumes_to_a_bitwise_ident
 # --- torch.compile -------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("TUTORIAL_TEST_COMPILE"),
-                    reason="costs ~45 s of CPU more than the same run without --compile when inductor's cache is "
-                           "cold (2-core machine); set TUTORIAL_TEST_COMPILE=1 to run it")
 @pytest.mark.skipif(compiler_missing() is not None, reason=f"torch.compile cannot run here: {compiler_missing()}")
 def test_compile_with_ddp_trains_as_eager_does_and_keeps_one_all_reduce_per_step(text, tmp_path):
     """The smallest job that compiles DDP's model and takes optimizer steps through no_sync(): 1 process (DDP still
