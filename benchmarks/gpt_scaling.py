@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/gpt_scaling.py` from anywhere; gpt.py imports too
 
 from tools.jobs import free_port, machine_summary  # noqa: E402
+from tools.plot_metrics import plot_speedups  # noqa: E402
 from utils import exit_without_teardown, positive_int  # noqa: E402
 
 
@@ -125,27 +126,12 @@ def table(rows):
 
 
 def plot(rows, out_path, title):
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 4))
-    for K in sorted({r["K"] for r in rows}):
-        mine = [r for r in rows if r["K"] == K]
-        axes.plot([r["procs"] for r in mine], [r["speedup"] for r in mine], "o-", label=f"DDP, --grad_accum {K}")
+    curves = [(f"DDP, --grad_accum {K}", [r["procs"] for r in rows if r["K"] == K],
+               [r["speedup"] for r in rows if r["K"] == K], "o-", {}) for K in sorted({r["K"] for r in rows})]
     ceiling = [r for r in rows if r["K"] == rows[0]["K"]]
-    axes.plot([r["procs"] for r in ceiling], [r["ceiling"] for r in ceiling], "s--", color="grey",
-              label="ceiling (independent processes)")
-    widest = max(r["procs"] for r in rows)
-    axes.set(xlabel="processes (N)", ylabel="tokens/s over one process", title=title)
-    axes.set_xticks(range(1, widest + 1))
-    axes.set_ylim(bottom=0)
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(out_path, dpi=100)
-    plt.close(figure)
+    curves.append(("ceiling (independent processes)", [r["procs"] for r in ceiling], [r["ceiling"] for r in ceiling],
+                   "s--", dict(color="grey")))
+    plot_speedups(curves, "tokens/s over one process", out_path, title)
 
 
 def main():

@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/scaling.py` from anywhere; the step scripts import too
 
 from tools.jobs import free_port, machine_summary  # noqa: E402
+from tools.plot_metrics import plot_speedups  # noqa: E402
 from utils import WORKLOADS, exit_without_teardown, positive_int  # noqa: E402
 
 
@@ -162,26 +163,12 @@ def table(device_kind, rows):
 
 
 def plot(results, out_path, title):
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 4.5))
+    curves = []
     for device_kind, rows in results.items():
         procs = [r["procs"] for r in rows]
-        axes.plot(procs, [r["ceiling"] for r in rows], "s--", label=f"{device_kind}: ceiling (independent processes)")
-        axes.plot(procs, [r["speedup"] for r in rows], "o-", label=f"{device_kind}: DDP")
-    widest = max(r["procs"] for rows in results.values() for r in rows)
-    axes.plot([1, widest], [1, widest], ":", color="grey", label="ideal (N x)")
-    axes.set(xlabel="processes (N)", ylabel="speed-up over one process", title=title)
-    axes.set_xticks(range(1, widest + 1))
-    axes.set_ylim(bottom=0)
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(out_path, dpi=100)
-    plt.close(figure)
+        curves += [(f"{device_kind}: ceiling (independent processes)", procs, [r["ceiling"] for r in rows], "s--", {}),
+                   (f"{device_kind}: DDP", procs, [r["speedup"] for r in rows], "o-", {})]
+    plot_speedups(curves, "speed-up over one process", out_path, title, ideal=True)
 
 
 def main():

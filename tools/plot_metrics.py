@@ -5,7 +5,8 @@
     python tools/plot_metrics.py runs/try1 -o loss.png
 
 The loss is each rank's own mean over its share of the data (not the all-reduced one the scripts print), so
-the lines differ a little from rank to rank; throughput is samples per second per epoch.
+the lines differ a little from rank to rank; throughput is samples per second per epoch. plot_speedups() draws the
+scaling benchmarks' speed-up curves.
 """
 import argparse
 import json
@@ -53,6 +54,30 @@ def plot(runs, out_path, title):
         axes.grid(alpha=0.3)
         axes.legend()
     figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(out_path, dpi=100)
+    plt.close(figure)
+
+
+def plot_speedups(curves, ylabel, out_path, title, ideal=False):
+    """The scaling benchmarks' picture: each curve (label, processes, values, matplotlib style and options) against
+    the number of processes, from 0 up; with ideal, the N x line too."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4.5))
+    for label, procs, values, style, options in curves:
+        axes.plot(procs, values, style, label=label, **options)
+    widest = max(max(procs) for _, procs, _, _, _ in curves)
+    if ideal:
+        axes.plot([1, widest], [1, widest], ":", color="grey", label="ideal (N x)")
+    axes.set(xlabel="processes (N)", ylabel=ylabel, title=title)
+    axes.set_xticks(range(1, widest + 1))
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+    axes.legend()
     figure.tight_layout()
     figure.savefig(out_path, dpi=100)
     plt.close(figure)
