@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/gpt_scaling.py` from anywhere; gpt.py imports too
 
-from tools.jobs import free_port, machine_summary  # noqa: E402
+from tools.jobs import free_port, machine_summary, spawned_result  # noqa: E402
 from tools.plot_metrics import plot_speedups  # noqa: E402
 from utils import exit_without_teardown, positive_int  # noqa: E402
 
@@ -101,20 +101,10 @@ def worker(rank, world_size, args, text_path, result_path):
 
 def measure(procs, args, text_path):
     """{K: {"ddp": tokens/s, "independent": tokens/s}} for `procs` processes."""
-    import torch.multiprocessing as mp
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                       CUDA_VISIBLE_DEVICES="")
-    with tempfile.TemporaryDirectory() as scratch:
-        result_path = Path(scratch) / "result.json"
-        context = mp.spawn(worker, args=(procs, args, text_path, str(result_path)), nprocs=procs, join=False)
-        deadline = time.monotonic() + args.timeout
-        while not context.join(timeout=5):  # a failing worker raises here, with its traceback
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                sys.exit(f"error: {procs} processes took longer than --timeout {args.timeout} s")
-        return {int(K): rates for K, rates in json.loads(result_path.read_text()).items()}
+    rates = spawned_result(worker, (procs, args, text_path), procs, args.timeout, f"{procs} processes")
+    return {int(K): rate for K, rate in rates.items()}
 
 
 def table(rows):

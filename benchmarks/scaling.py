@@ -31,7 +31,6 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -39,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/scaling.py` from anywhere; the step scripts import too
 
-from tools.jobs import free_port, machine_summary  # noqa: E402
+from tools.jobs import free_port, machine_summary, spawned_result  # noqa: E402
 from tools.plot_metrics import plot_speedups  # noqa: E402
 from utils import WORKLOADS, exit_without_teardown, positive_int  # noqa: E402
 
@@ -123,19 +122,10 @@ def gpus_hidden(hide):
 
 def measure(device_kind, procs, args):
     """{"ddp": samples/s, "independent": samples/s} for `procs` processes."""
-    import torch.multiprocessing as mp
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    with tempfile.TemporaryDirectory() as scratch, gpus_hidden(device_kind == "cpu"):
-        result_path = Path(scratch) / "result.json"
-        context = mp.spawn(worker, args=(procs, device_kind, args, str(result_path)), nprocs=procs, join=False)
-        deadline = time.monotonic() + args.timeout
-        while not context.join(timeout=5):  # a failing worker raises here, with its traceback
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                sys.exit(f"error: {procs} processes on {device_kind} took longer than --timeout {args.timeout} s")
-        return json.loads(result_path.read_text())
+    with gpus_hidden(device_kind == "cpu"):
+        return spawned_result(worker, (procs, device_kind, args), procs, args.timeout,
+                              f"{procs} processes on {device_kind}")
 
 
 def scale(device_kind, max_procs, args):

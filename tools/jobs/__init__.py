@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -353,6 +354,24 @@ def recorded_steps(folder):
     norm). A process without DDP has rounds 0."""
     path = Path(folder) / "steps.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def spawned_result(worker, args, nprocs, timeout, what):
+    """Run worker(rank, *args, result_path) in `nprocs` processes started by mp.spawn (the benchmarks' in-process
+    jobs), for at most `timeout` s; the JSON its rank 0 wrote to result_path. A failing worker raises here, with its
+    traceback; one past the time stops them all with one line naming `what`."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as scratch:
+        result_path = Path(scratch) / "result.json"
+        context = mp.spawn(worker, args=(*args, str(result_path)), nprocs=nprocs, join=False)
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                sys.exit(f"error: {what} took longer than --timeout {timeout} s")
+        return json.loads(result_path.read_text())
 
 
 def start(*commands, **options):
