@@ -6,9 +6,9 @@
 
 Each job is `multigpu_torchrun.py` (or `multinode.py` on two nodes) with `--max_restarts=1` and torchrun's shared
 rendezvous store, as the tutorial's command runs it. Once the first snapshot is saved, a worker (the last rank; on two
-nodes, node 1's) is SIGKILLed after a random pause of up to an epoch (seeded: the same moments every run). A kill
-counts as recovered when the restarted workers print `resuming from epoch N` and the job exits 0; the times run from
-the kill to that line. Failed restarts show up as restarts that never resume (torchrun then gives up: exit non-zero)
+nodes, node 1's) is SIGKILLed after a random part of an epoch (as long as epoch 0 took; seeded: the same parts every
+run). A kill counts as recovered when the restarted workers print `resuming from epoch N` and the job exits 0; the
+times run from the kill to that line. Failed restarts show up as restarts that never resume (torchrun then gives up: exit non-zero)
 and as gloo's connection errors in the output.
 """
 import argparse
@@ -24,11 +24,12 @@ from tools.jobs import FRESH_STORE, free_port, machine_summary, output, start, t
 from utils import positive_int  # noqa: E402
 
 STEP_ARGS = (1, "--batch_size", 8, "--timeout", 30)  # a snapshot after every epoch (~1 s each here)
+TRAIN_SAMPLES = 2048  # the synthetic workload's training set: an epoch's samples, which its line's rate is over
 
 
-def one_kill(number, args, pause):
-    """Start a job, kill a worker `pause` s after the first snapshot; (resumed, seconds to resume, exit codes,
-    gloo errors seen)."""
+def one_kill(number, args, fraction):
+    """Start a job, kill a worker `fraction` of an epoch after the first snapshot; (pause in s, resumed, seconds to
+    resume, exit codes, gloo errors seen)."""
     with tempfile.TemporaryDirectory(prefix="restarts-") as workdir:
         if args.nnodes == 1:
             commands = [torchrun("multigpu_torchrun.py", args.epochs, *STEP_ARGS, launcher_args=["--max_restarts=1"])]
@@ -37,9 +38,11 @@ def one_kill(number, args, pause):
                                  launcher_args=["--max_restarts=1"])
             commands = [node] * args.nnodes
         with start(*commands, cwd=workdir, env=FRESH_STORE if args.fresh_store else None) as job:
+            rate = job.wait_for(output.EPOCH, timeout=args.timeout)["rate"]  # the job's samples/s in epoch 0
             job.wait_for(output.SAVED, timeout=args.timeout)
-            time.sleep(pause)
             victims = job.workers(node=args.nnodes - 1)
+            pause = fraction * TRAIN_SAMPLES / float(rate.replace(",", ""))  # within the next epoch, however fast
+            time.sleep(pause)
             job.kill_worker(rank=max(victims), node=args.nnodes - 1)
             killed = time.monotonic()
             try:
@@ -50,7 +53,7 @@ def one_kill(number, args, pause):
             codes = job.wait(timeout=args.timeout)
         text = job.output
     errors = text.count("connectFullMesh") + text.count("Connection refused")
-    return to_resume is not None and codes == [0] * args.nnodes, to_resume, codes, errors
+    return pause, to_resume is not None and codes == [0] * args.nnodes, to_resume, codes, errors
 
 
 def main():
@@ -69,9 +72,9 @@ def main():
           "|---:|---:|---|---:|---|---:|")
     results = []
     for number in range(args.kills):
-        pause = moments.uniform(0, 1.2)
-        results.append(one_kill(number, args, pause))
-        ok, seconds, codes, errors = results[-1]
+        pause, *result = one_kill(number, args, moments.random())
+        results.append(result)
+        ok, seconds, codes, errors = result
         print(f"| {number} | {pause:.2f} s | {'yes' if ok else 'NO'} | "
               f"{'-' if seconds is None else f'{seconds:.1f} s'} | {codes} | {errors} |", flush=True)
     times = [seconds for ok, seconds, _, _ in results if ok]
