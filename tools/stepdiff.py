@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CHAIN = ["single_gpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py", "gpt.py"]
+CHAIN = ["single_gpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py", "gpt.py",
+         "pipeline_parallel.py"]
 # The step each script is a diff of, where it is not the one before it in CHAIN: gpt.py trains with DDP, so it builds
-# on multinode.py, not on fsdp.py.
-PREVIOUS = {"gpt.py": "multinode.py"}
+# on multinode.py, not on fsdp.py; pipeline_parallel.py is a diff of gpt.py (the same GPT and loop, in stages).
+PREVIOUS = {"gpt.py": "multinode.py", "pipeline_parallel.py": "gpt.py"}
 # Budgets: a step script reads in one sitting (lines), and each is a small diff of the one before (changed lines:
 # removed + added, as `diff OLD NEW | grep -c '^[<>]'` counts them).
 BUDGET = (150, 60)

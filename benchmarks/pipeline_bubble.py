@@ -1,0 +1,170 @@
+"""The pipeline's bubble, measured: GPipe and 1F1B over M micro-batches on 2 stages of the CPU-size GPT, each step's
+idle fraction against the formula (stages - 1) / (M + stages - 1), and the activations each stage holds, in one run.
+
+    python benchmarks/pipeline_bubble.py                          # M = 1 2 4 8, batch 32, 3 rounds
+    python benchmarks/pipeline_bubble.py --microbatches 2 4 8 16 --batch_size 64
+
+Two processes (one CPU thread each, gloo) hold the two stages: the embedding and block 0, then block 1 and the head.
+For every schedule and M they build pipeline_parallel.py's own Trainer (its stage, DDP, schedule, clipping, AdamW)
+and take --steps optimizer steps on batches of --batch_size sequences of 64 characters, round after round (the
+order reversed every other round, so that the load on the machine drifts against no one; round 0 warms up). The job
+runner's recorder times every micro-batch's forward and backward on each stage (tools/jobs/recorder: pipeline.jsonl)
+and counts the bytes autograd keeps for each forward's backward. Per configuration, the median step's:
+  step ms     from the first forward's start to the last backward's end (the optimizer step is not in it)
+  idle        the fraction of that span each stage did not compute (waiting for an activation or a gradient)
+  formula     (stages - 1) / (M + stages - 1): the idle fraction if every pass took the same time
+  held        the most micro-batches whose activations a stage held at once, and their bytes (stage 0's, the most)
+GPipe runs every forward before any backward, so stage 0 holds all M micro-batches: the whole batch's activations
+whatever M is; 1F1B starts a micro-batch's backward as soon as it can and holds at most `stages` of them. A PNG
+draws the median 1F1B and GPipe steps at the largest M (--plot).
+"""
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from argparse import Namespace
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as `python benchmarks/pipeline_bubble.py` from anywhere
+
+from tools import pipeline_timeline  # noqa: E402
+from tools.jobs import RECORDER, free_port, machine_summary, spawned_result  # noqa: E402
+from utils import exit_without_teardown, positive_int  # noqa: E402
+
+STAGES = 2
+
+
+def configurations(microbatches):
+    """(schedule, M) pairs: GPipe at every M, 1F1B where it can fill the pipeline (M >= stages)."""
+    return [(schedule, M) for M in microbatches for schedule in ("gpipe", "1f1b") if schedule == "gpipe" or M >= STAGES]
+
+
+def worker(rank, args, text_path, result_path):
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    import pipeline_parallel
+    from utils import make_workload
+    from utils.gpt import TEXT_VARIABLE, pipeline_stage
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), **{TEXT_VARIABLE: text_path})
+    dist.init_process_group("gloo", rank=rank, world_size=STAGES, timeout=timedelta(seconds=args.timeout))
+    mesh = init_device_mesh("cpu", (1, STAGES), mesh_dim_names=("dp", "pp"))
+    trainers = {}
+    for schedule, M in configurations(args.microbatches):
+        workload = make_workload("gpt-cpu")
+        stage = pipeline_stage(workload.model, rank, STAGES)
+        loader = DataLoader(workload.train_set, batch_size=args.batch_size, drop_last=True,
+                            sampler=DistributedSampler(workload.train_set, num_replicas=1, rank=0))
+        options = Namespace(total_epochs=1000, microbatches=M, schedule=schedule, batch_size=args.batch_size,
+                            precision="fp32", grad_clip=1.0)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            trainers[schedule, M] = pipeline_parallel.Trainer(
+                stage, loader, workload.make_optimizer(stage), workload.loss_fn, torch.device("cpu"), 1000,
+                str(Path(result_path).parent / f"none.{schedule}{M}.pt"), options, mesh)
+    steps, taken = {key: [] for key in trainers}, 0  # the recorder's step numbers of each configuration
+    for round_ in range(args.rounds + 1):
+        for key in list(trainers) if round_ % 2 else list(trainers)[::-1]:
+            trainer = trainers[key]
+            dist.barrier()
+            for _, (source, targets) in zip(range(args.steps), trainer.train_data):
+                trainer._run_batch(source, targets)
+                if round_ > 0:  # round 0 warms up
+                    steps[key].append(taken)
+                taken += 1
+    if rank == 0:
+        Path(result_path).write_text(json.dumps([[schedule, M, numbers] for (schedule, M), numbers in steps.items()]))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_without_teardown()  # as the step scripts do: a gloo thread may still hold tensors at interpreter exit
+
+
+def measure(args, text_path, record_dir):
+    """[(schedule, M, {step: [event, ...]} of its measured steps)]."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+                      CUDA_VISIBLE_DEVICES="", JOB_RECORD_DIR=str(record_dir),
+                      PYTHONPATH=os.pathsep.join(filter(None, [str(RECORDER), str(REPO), os.environ.get("PYTHONPATH")])))
+    measured = spawned_result(worker, (args, text_path), STAGES, args.timeout, "the pipeline benchmark")
+    import json
+
+    records = [json.loads(line) for line in (Path(record_dir) / "pipeline.jsonl").read_text().splitlines()]
+    steps = pipeline_timeline.by_step(records)
+    return [(schedule, M, {number: steps[number] for number in numbers}) for schedule, M, numbers in measured]
+
+
+def summary(schedule, M, steps):
+    """The median step (by span) of one configuration, and its figures."""
+    spans = {number: pipeline_timeline.idle(events)[0] for number, events in steps.items()}
+    median = sorted(spans, key=spans.get)[len(spans) // 2]
+    span, idles = pipeline_timeline.idle(steps[median])
+    held = {stage: pipeline_timeline.held(steps[median], stage) for stage in range(STAGES)}
+    return dict(schedule=schedule, M=M, ms=span * 1e3, idle=idles, formula=pipeline_timeline.bubble(STAGES, M),
+                held=held, mean_idle=statistics.mean(idles.values()), events=steps[median])
+
+
+def table(rows):
+    yardstick = next(row["ms"] for row in rows if row["M"] == min(r["M"] for r in rows))
+    lines = ["| schedule | M | step ms | vs M=1 | idle stage 0 | idle stage 1 | formula | held stage 0 | "
+             "held stage 1 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        held = [f"{count} ({size / 2**20:.1f} MiB)" for count, size in (r["held"][s] for s in range(STAGES))]
+        lines.append(f"| {r['schedule']} | {r['M']} | {r['ms']:.0f} | {r['ms'] / yardstick:.2f}x | "
+                     f"{r['idle'][0]:.0%} | {r['idle'][1]:.0%} | {r['formula']:.0%} | {held[0]} | {held[1]} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--microbatches", type=positive_int, nargs="+", default=[1, 2, 4, 8],
+                        help="values of M (default 1 2 4 8)")
+    parser.add_argument("--batch_size", type=positive_int, default=32, help="sequences per step (default 32)")
+    parser.add_argument("--steps", type=positive_int, default=5, help="optimizer steps per turn (default 5)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="measured rounds (default 3)")
+    parser.add_argument("--chars", type=positive_int, default=60000,
+                        help="characters of Python's help pages to train on (default 60000)")
+    parser.add_argument("--timeout", type=positive_int, default=600, help="seconds the run may take")
+    parser.add_argument("--plot", default=str(REPO / "benchmarks" / "results" / "pipeline_timeline.png"),
+                        help="PNG to write (default benchmarks/results/pipeline_timeline.png)")
+    args = parser.parse_args()
+    if any(args.batch_size % M for M in args.microbatches):
+        sys.exit(f"error: every M must divide --batch_size {args.batch_size}")
+
+    from utils.gpt import help_pages
+
+    print(f"2 pipeline stages of the CPU-size GPT, batch {args.batch_size} x 64 characters, {args.steps} steps x "
+          f"{args.rounds} rounds per configuration, on {machine_summary()}", flush=True)
+    os.environ.pop("TUTORIAL_RUN_DIR", None)  # the trainer's per-rank metrics files are not wanted here
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        text_path = Path(scratch) / "help_pages.txt"
+        text_path.write_text(help_pages()[:args.chars])
+        measured = measure(args, str(text_path), scratch)
+    rows = [summary(*configuration) for configuration in measured]
+    rows.sort(key=lambda row: (row["M"], row["schedule"] != "gpipe"))
+    print(f"\n{table(rows)}\n")
+    for schedule in ("gpipe", "1f1b"):
+        mine = [row for row in rows if row["schedule"] == schedule]
+        print(f"{schedule}: mean idle " + ", ".join(f"M={r['M']} {r['mean_idle']:.0%} (formula {r['formula']:.0%})"
+                                                   for r in mine))
+    largest = max(args.microbatches)
+    drawn = {f"{row['schedule'].upper() if row['schedule'] == 'gpipe' else '1F1B'}, M={largest}: "
+             f"{row['ms']:.0f} ms": row["events"] for row in rows if row["M"] == largest}
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    pipeline_timeline.plot(drawn, args.plot, "One optimizer step of 2 pipeline stages (the median of its "
+                                             "configuration): F = forward, B = backward of a micro-batch")
+    print(f"plot: {args.plot}\n{time.perf_counter() - began:.0f} s; at the end: {machine_summary()}")
+
+
+if __name__ == "__main__":
+    main()
