@@ -24,7 +24,8 @@ from expect import assert_bitwise_equal
 from tools import pipeline_timeline
 from tools.jobs import output, run, saved_name, script, start, torchrun
 from utils import make_workload
-from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages, warmup_cosine
+from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
+from utils.loop import warmup_cosine
 from utils.metrics import RUN_DIR_VARIABLE
 
 TEXT_CHARS = 4600  # 90% to train on: 64 sequences of 64 (+1) characters; 7 held out
