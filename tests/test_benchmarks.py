@@ -87,3 +87,15 @@ def test_gpt_scaling_compares_ddp_with_the_ceiling_for_each_grad_accum(tmp_path,
     assert re.search(r"^--grad_accum 2: 2 processes deliver [\d.]+ of the [\d.]+x ceiling \(goal >= 0.9\): (NOT )?met$",
                      text, re.M), text
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_pipeline_bubble_measures_each_schedule_against_the_formula_and_draws_a_step(tmp_path, monkeypatch, capsys):
+    """The recorder's timings of the stages' passes become the table; the held activations need no timing at all:
+    GPipe holds all M micro-batches at stage 0, 1F1B at most the 2 stages'."""
+    plot = tmp_path / "pipeline_timeline.png"
+    text = run_benchmark(monkeypatch, capsys, "pipeline_bubble.py", "--microbatches", 1, 2, "--batch_size", 8,
+                         "--steps", 1, "--rounds", 1, "--chars", 6000, "--plot", plot)
+    rows = re.findall(r"^\| (gpipe|1f1b) \| (\d) \| \d+ \| [\d.]+x \| \d+% \| \d+% \| (\d+)% \| (\d) \([\d.]+ MiB\) \| "
+                      r"(\d) \([\d.]+ MiB\) \|$", text, re.M)
+    assert rows == [("gpipe", "1", "50", "1", "1"), ("gpipe", "2", "33", "2", "2"), ("1f1b", "2", "33", "2", "1")], text
+    assert plot.read_bytes().startswith(b"\x89PNG")

@@ -24,7 +24,7 @@ import single_gpu
 import tools.demo as demo
 from expect import assert_learned, assert_loads_into_fresh_model, assert_one_writer
 from tools import plot_metrics
-from tools.jobs import free_port, output, python, run, start, torchrun, torchrun_node
+from tools.jobs import free_port, output, python, run, saved_name, start, torchrun, torchrun_node
 from utils import make_workload
 from utils.gpt import TEXT_VARIABLE, help_pages
 
@@ -130,6 +130,13 @@ def test_the_demo_trains_the_gpt_with_accumulation_and_shows_its_sample(demo_run
     [(steps, sample)] = output.samples(job.output)
     assert f"What the GPT writes after {steps} optimizer steps:\n{sample}" in demo_run["printed"]
     assert_one_writer(job.writes, demo_run["run_dir"] / "gpt_snapshot.pt")
+
+
+def test_the_demo_trains_the_gpt_in_two_pipeline_stages_each_saving_its_own(demo_run):
+    job = demo_run["jobs"]["pipeline_parallel.py"]
+    assert job.ok and sorted(job.losses) == [0] and output.samples(job.output), job.output
+    assert sorted({(rank, saved_name(path)) for _, rank, path in job.writes}) == \
+        [(0, "pp_snapshot.stage0.pt"), (1, "pp_snapshot.stage1.pt")], job.writes
 
 
 # --- what DDP's gradient averaging means ----------------------------------------------------------------------------
