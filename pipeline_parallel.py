@@ -65,7 +65,8 @@ class Trainer:
         micro_batch = (args.batch_size // M, config.context)
         activations = torch.empty(*micro_batch, config.n_embd, device="meta", requires_grad=True)
         inputs = torch.empty(micro_batch, dtype=torch.long, device="meta") if stage == 0 else activations
-        outputs = torch.empty(*micro_batch, config.vocab_size, device="meta") if stage == stages - 1 else activations
+        logits = torch.empty(*micro_batch, config.vocab_size, dtype=self.dtype, device="meta")  # autocast's dtype
+        outputs = logits if stage == stages - 1 else activations
         self.stage = PipelineStage(self.model, stage, stages, device, inputs, outputs, group=mesh["pp"].get_group())
         # The schedule orders the passes. Each micro-batch's loss is divided by M: their gradients add up to the mean's.
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
@@ -186,7 +187,7 @@ if __name__ == "__main__":
     parser.add_argument("--microbatches", default=4, type=positive_int, help="Micro-batches per batch (M)")
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="The order of their passes")
     parser.add_argument("--dp", default=1, type=positive_int, help="Pipelines side by side, data-parallel")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="fp16: CUDA only")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast")
     parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step")
     args = parser.parse_args()
 

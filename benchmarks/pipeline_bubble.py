@@ -11,12 +11,13 @@ order reversed every other round, so that the load on the machine drifts against
 runner's recorder times every micro-batch's forward and backward on each stage (tools/jobs/recorder: pipeline.jsonl)
 and counts the bytes autograd keeps for each forward's backward. Per configuration, the median step's:
   step ms     from the first forward's start to the last backward's end (the optimizer step is not in it)
+  busy ms     the time a stage computed in that span (the mean of the stages): the work, without the waits
   idle        the fraction of that span each stage did not compute (waiting for an activation or a gradient)
   formula     (stages - 1) / (M + stages - 1): the idle fraction if every pass took the same time
   held        the most micro-batches whose activations a stage held at once, and their bytes (stage 0's, the most)
 GPipe runs every forward before any backward, so stage 0 holds all M micro-batches: the whole batch's activations
 whatever M is; 1F1B starts a micro-batch's backward as soon as it can and holds at most `stages` of them. A PNG
-draws the median 1F1B and GPipe steps at the largest M (--plot).
+draws the median 1F1B and GPipe steps at one M (--draw, --plot).
 """
 import argparse
 import contextlib
@@ -92,9 +93,10 @@ def worker(rank, args, text_path, result_path):
 
 def measure(args, text_path, record_dir):
     """[(schedule, M, {step: [event, ...]} of its measured steps)]."""
+    paths = [str(RECORDER), str(REPO), os.environ.get("PYTHONPATH")]  # the recorder loads in the spawned workers
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                       CUDA_VISIBLE_DEVICES="", JOB_RECORD_DIR=str(record_dir),
-                      PYTHONPATH=os.pathsep.join(filter(None, [str(RECORDER), str(REPO), os.environ.get("PYTHONPATH")])))
+                      PYTHONPATH=os.pathsep.join(filter(None, paths)))
     measured = spawned_result(worker, (args, text_path), STAGES, args.timeout, "the pipeline benchmark")
     import json
 
@@ -109,18 +111,21 @@ def summary(schedule, M, steps):
     median = sorted(spans, key=spans.get)[len(spans) // 2]
     span, idles = pipeline_timeline.idle(steps[median])
     held = {stage: pipeline_timeline.held(steps[median], stage) for stage in range(STAGES)}
-    return dict(schedule=schedule, M=M, ms=span * 1e3, idle=idles, formula=pipeline_timeline.bubble(STAGES, M),
-                held=held, mean_idle=statistics.mean(idles.values()), events=steps[median])
+    busy = statistics.mean(span * (1 - fraction) for fraction in idles.values())
+    return dict(schedule=schedule, M=M, ms=span * 1e3, busy=busy * 1e3, idle=idles,
+                formula=pipeline_timeline.bubble(STAGES, M), held=held, mean_idle=statistics.mean(idles.values()),
+                events=steps[median])
 
 
 def table(rows):
     yardstick = next(row["ms"] for row in rows if row["M"] == min(r["M"] for r in rows))
-    lines = ["| schedule | M | step ms | vs M=1 | idle stage 0 | idle stage 1 | formula | held stage 0 | "
-             "held stage 1 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| schedule | M | step ms | vs M=1 | busy ms | idle stage 0 | idle stage 1 | formula | held stage 0 | "
+             "held stage 1 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         held = [f"{count} ({size / 2**20:.1f} MiB)" for count, size in (r["held"][s] for s in range(STAGES))]
         lines.append(f"| {r['schedule']} | {r['M']} | {r['ms']:.0f} | {r['ms'] / yardstick:.2f}x | "
-                     f"{r['idle'][0]:.0%} | {r['idle'][1]:.0%} | {r['formula']:.0%} | {held[0]} | {held[1]} |")
+                     f"{r['busy']:.0f} | {r['idle'][0]:.0%} | {r['idle'][1]:.0%} | {r['formula']:.0%} | {held[0]} | "
+                     f"{held[1]} |")
     return "\n".join(lines)
 
 
@@ -134,6 +139,7 @@ def main():
     parser.add_argument("--chars", type=positive_int, default=60000,
                         help="characters of Python's help pages to train on (default 60000)")
     parser.add_argument("--timeout", type=positive_int, default=600, help="seconds the run may take")
+    parser.add_argument("--draw", type=positive_int, default=4, help="the M whose steps the PNG draws (default 4)")
     parser.add_argument("--plot", default=str(REPO / "benchmarks" / "results" / "pipeline_timeline.png"),
                         help="PNG to write (default benchmarks/results/pipeline_timeline.png)")
     args = parser.parse_args()
@@ -157,9 +163,8 @@ def main():
         mine = [row for row in rows if row["schedule"] == schedule]
         print(f"{schedule}: mean idle " + ", ".join(f"M={r['M']} {r['mean_idle']:.0%} (formula {r['formula']:.0%})"
                                                    for r in mine))
-    largest = max(args.microbatches)
-    drawn = {f"{row['schedule'].upper() if row['schedule'] == 'gpipe' else '1F1B'}, M={largest}: "
-             f"{row['ms']:.0f} ms": row["events"] for row in rows if row["M"] == largest}
+    drawn = {f"{'GPipe' if row['schedule'] == 'gpipe' else '1F1B'}, M={row['M']}: {row['ms']:.0f} ms":
+             row["events"] for row in rows if row["M"] == args.draw}
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     pipeline_timeline.plot(drawn, args.plot, "One optimizer step of 2 pipeline stages (the median of its "
                                              "configuration): F = forward, B = backward of a micro-batch")

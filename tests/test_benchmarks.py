@@ -94,8 +94,8 @@ def test_pipeline_bubble_measures_each_schedule_against_the_formula_and_draws_a_
     GPipe holds all M micro-batches at stage 0, 1F1B at most the 2 stages'."""
     plot = tmp_path / "pipeline_timeline.png"
     text = run_benchmark(monkeypatch, capsys, "pipeline_bubble.py", "--microbatches", 1, 2, "--batch_size", 8,
-                         "--steps", 1, "--rounds", 1, "--chars", 6000, "--plot", plot)
-    rows = re.findall(r"^\| (gpipe|1f1b) \| (\d) \| \d+ \| [\d.]+x \| \d+% \| \d+% \| (\d+)% \| (\d) \([\d.]+ MiB\) \| "
-                      r"(\d) \([\d.]+ MiB\) \|$", text, re.M)
+                         "--steps", 1, "--rounds", 1, "--chars", 6000, "--draw", 2, "--plot", plot)
+    rows = re.findall(r"^\| (gpipe|1f1b) \| (\d) \| \d+ \| [\d.]+x \| \d+ \| \d+% \| \d+% \| (\d+)% \| "
+                      r"(\d) \([\d.]+ MiB\) \| (\d) \([\d.]+ MiB\) \|$", text, re.M)
     assert rows == [("gpipe", "1", "50", "1", "1"), ("gpipe", "2", "33", "2", "2"), ("1f1b", "2", "33", "2", "1")], text
     assert plot.read_bytes().startswith(b"\x89PNG")
