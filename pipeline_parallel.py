@@ -19,7 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, attempt_store, configure_cpu_threads, evaluate, exit_without_teardown, make_workload,
                    positive_int, log_rank_metrics, reason, replacing, require_epochs_left, require_same_arguments,
                    require_torchrun, writable_path)
-from utils.gpt import generate, pipeline_stage, reassembled, require_pipeline_fits
+from utils.gpt import generate, pipeline_stage, reassembled, require_pipeline_fits, stage_io
 from utils.loop import mfu, rng_state, set_rng_state, warmup_cosine
 
 
@@ -54,19 +54,13 @@ class Trainer:
         if seen[0] != -seen[1]:
             raise SystemExit(f"error: ranks resume from different epochs ({-int(seen[1])} to {int(seen[0])}): put "
                              "--snapshot_path on storage that every node shares")
-        # DDP averages the gradients of this stage's copies in the other pipelines (dp), once per optimizer step: the
-        # stage runs all but the last micro-batch's backward inside no_sync()
+        # DDP averages the gradients over this stage's copies in the other pipelines (dp), in the last micro-batch
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
                          process_group=mesh["dp"].get_group())
-        # The stage sends its activations down the pipeline (pp) and its input's gradients back up, in buffers of fixed
-        # shapes per micro-batch: tokens or activations in, activations or logits out. (Told them, it needs no trial
-        # forward, which would pass through DDP, outside the schedule.)
-        M, stage, stages, config = args.microbatches, mesh["pp"].get_local_rank(), mesh["pp"].size(), model.config
-        micro_batch = (args.batch_size // M, config.context)
-        activations = torch.empty(*micro_batch, config.n_embd, device="meta", requires_grad=True)
-        inputs = torch.empty(micro_batch, dtype=torch.long, device="meta") if stage == 0 else activations
-        logits = torch.empty(*micro_batch, config.vocab_size, dtype=self.dtype, device="meta")  # autocast's dtype
-        outputs = logits if stage == stages - 1 else activations
+        # The stage sends its activations down the pipeline (pp) and their gradients back up, in buffers of the shapes
+        # it is told (tokens or activations in, activations or logits out): it needs no trial forward through DDP.
+        M, stage, stages = args.microbatches, mesh["pp"].get_local_rank(), mesh["pp"].size()
+        inputs, outputs = stage_io(model, args.batch_size // M, stage, stages, self.dtype)
         self.stage = PipelineStage(self.model, stage, stages, device, inputs, outputs, group=mesh["pp"].get_group())
         # The schedule orders the passes. Each micro-batch's loss is divided by M: their gradients add up to the mean's.
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]

@@ -18,6 +18,7 @@ Besides the Workload itself:
     generate(model, prompt, new_tokens, seed)   a short sample, decoded to text: what the model has learned
     flops_per_token(model)                      the model FLOPs one trained token costs (for the MFU, utils/loop.py)
     pipeline_stage(model, stage, stages)        a stage's layers, for pipeline parallelism (pipeline_parallel.py)
+    stage_io(model, micro_batch, stage, stages) what a stage receives and sends per micro-batch (their shapes)
     reassembled(stage)                          the whole GPT again, from every rank's stage
     require_pipeline_fits(args, world_size)     the pipeline's stages, or one line and exit when it cannot be built
 """
@@ -266,6 +267,19 @@ def require_pipeline_fits(args, world_size):
         raise SystemExit(f"error: --schedule 1f1b needs a micro-batch per stage at least ({stages}), got "
                          f"--microbatches {M}: raise it, or use --schedule gpipe")
     return stages
+
+
+def stage_io(model, micro_batch, stage, stages, dtype=None):
+    """(inputs, outputs) of a pipeline stage for one micro-batch of `micro_batch` sequences, as tensors on the meta
+    device (shapes, no memory), for PipelineStage's input_args and output_args: token ids (micro_batch, context) into
+    the first stage, activations (micro_batch, context, width) between stages, logits (micro_batch, context, vocab)
+    out of the last, in the autocast `dtype` (torch 2.6 checks each output's dtype). The activations require grad:
+    their gradients travel back."""
+    config = unwrap(model).config
+    activations = torch.empty(micro_batch, config.context, config.n_embd, device="meta", requires_grad=True)
+    tokens = torch.empty(micro_batch, config.context, dtype=torch.long, device="meta")
+    logits = torch.empty(micro_batch, config.context, config.vocab_size, dtype=dtype, device="meta")
+    return tokens if stage == 0 else activations, logits if stage == stages - 1 else activations
 
 
 def reassembled(stage):
