@@ -274,3 +274,16 @@ def test_no_micro_batches_another_workload_or_fp16_are_refused_by_the_parser(mon
     """fp16 would need a gradient scaler whose decision to skip a step all the stages share."""
     assert run_main(monkeypatch, 2, *args).code == 2
     assert f"pipeline_parallel.py: error: {words}" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: a stage on each")
+def test_two_stages_on_two_gpus_train_the_gpu_size_in_bf16_over_nccl(tmp_path):
+    """The GPU size (6 blocks: 3 per stage) on the help pages, bf16 autocast (the last stage's logits in bf16), NCCL's
+    point-to-point between the stages: it learns, each stage saves its own file, and 1F1B ran as 1F1B."""
+    job = run(torchrun("pipeline_parallel.py", 2, 2, "--precision", "bf16", "--microbatches", 4, nproc=2),
+              cwd=tmp_path, gpu=True, record=True, timeout=600)
+    assert job.losses[1] < job.losses[0] and "[rank 1/2 | local 1 | cuda:1]" in job.output, job.output
+    assert {saved_name(path) for _, _, path in job.writes} == set(STAGE_FILES)
+    events = pipeline_timeline.by_step(job.records("pipeline.jsonl"))[1]
+    assert pipeline_timeline.order(events, 0) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
