@@ -174,7 +174,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("total_epochs", type=positive_int, help="Total epochs to train the model")
     parser.add_argument("save_every", type=positive_int, help="How often to save (in epochs)")
-    parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")
+    parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per pipeline")
     parser.add_argument("--workload", default="gpt", choices=[w for w in WORKLOADS if w.startswith("gpt")])
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
     parser.add_argument("--snapshot_path", default="snapshot.pt", type=writable_path, help="Where to save and resume")

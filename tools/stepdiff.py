@@ -34,7 +34,7 @@ BUDGET = (150, 60)
 # dp, each micro-batch's loss / M whatever the torch version, clipping by the whole model's norm, a snapshot per stage,
 # the model put back together at the end), less accumulation, the fp16 scaler and compile, whose removed lines count.
 LARGER_BUDGETS = {"multigpu_torchrun.py": (150, 66), "fsdp.py": (170, 75), "gpt.py": (180, 80),
-                  "pipeline_parallel.py": (190, 101)}
+                  "pipeline_parallel.py": (190, 103)}
 BLOCK = re.compile(r"(<!-- diff (\S+) (\S+) -->\n)(.*?)(<!-- end diff -->)", re.S)
 
 
