@@ -63,9 +63,9 @@ class Trainer:
         inputs, outputs = stage_io(model, args.batch_size // M, stage, stages, self.dtype)
         self.stage = PipelineStage(self.model, stage, stages, device, inputs, outputs, group=mesh["pp"].get_group())
         # The schedule orders the passes. Each micro-batch's loss is divided by M: their gradients add up to the mean's.
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
-        self.schedule = schedule(self.stage, M, loss_fn=lambda logits, targets: loss_fn(logits, targets) / M)
-        self.schedule.scale_grads = False  # torch >= 2.7 would divide the gradients by M once more; 2.6 never does
+        Schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+        self.pipeline = Schedule(self.stage, M, loss_fn=lambda logits, targets: loss_fn(logits, targets) / M)
+        self.pipeline.scale_grads = False  # torch >= 2.7 would divide the gradients by M once more; 2.6 never does
 
     def _load_snapshot(self):
         try:  # weights_only: tensors and plain containers, never arbitrary pickled code
@@ -88,7 +88,7 @@ class Trainer:
         # stage reads the tokens; only the last has the targets, the losses, and returns [summed loss, samples].
         inputs, losses = [source] if self.stage.is_first else [], []
         with torch.autocast(self.device.type, self.dtype, enabled=self.dtype is not None):  # weights stay fp32
-            self.schedule.step(*inputs, target=targets if self.stage.is_last else None, losses=losses)
+            self.pipeline.step(*inputs, target=targets if self.stage.is_last else None, losses=losses)
         # Clip by the norm of the whole model's gradient: the stages add up their squared norms along the pipeline.
         squares = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters()]) ** 2
         dist.all_reduce(squares, group=self.stage.group)
