@@ -9,7 +9,8 @@ For every schedule and M they build pipeline_parallel.py's own Trainer (its stag
 and take --steps optimizer steps on batches of --batch_size sequences of 64 characters, round after round (the
 order reversed every other round, so that the load on the machine drifts against no one; round 0 warms up). The job
 runner's recorder times every micro-batch's forward and backward on each stage (tools/jobs/recorder: pipeline.jsonl)
-and counts the bytes autograd keeps for each forward's backward. Per configuration, the median step's:
+and counts the bytes autograd keeps for each forward's backward. Per configuration, the fastest step's (other work
+on the machine only ever slows a step down: a stage preempted mid-pass looks busy, its peer idle):
   step ms     from the first forward's start to the last backward's end (the optimizer step is not in it)
   busy ms     the time a stage computed in that span (the mean of the stages): the work, without the waits
   idle        the fraction of that span each stage did not compute (waiting for an activation or a gradient)
@@ -17,7 +18,7 @@ and counts the bytes autograd keeps for each forward's backward. Per configurati
   held        the most micro-batches whose activations a stage held at once, and their bytes (stage 0's, the most)
 GPipe runs every forward before any backward, so stage 0 holds all M micro-batches: the whole batch's activations
 whatever M is; 1F1B starts a micro-batch's backward as soon as it can and holds at most `stages` of them. A PNG
-draws the median 1F1B and GPipe steps at one M (--draw, --plot).
+draws the fastest 1F1B and GPipe steps at one M (--draw, --plot).
 """
 import argparse
 import contextlib
@@ -106,15 +107,15 @@ def measure(args, text_path, record_dir):
 
 
 def summary(schedule, M, steps):
-    """The median step (by span) of one configuration, and its figures."""
+    """The fastest step of one configuration (other work on the machine only ever slows a step down), its figures."""
     spans = {number: pipeline_timeline.idle(events)[0] for number, events in steps.items()}
-    median = sorted(spans, key=spans.get)[len(spans) // 2]
-    span, idles = pipeline_timeline.idle(steps[median])
-    held = {stage: pipeline_timeline.held(steps[median], stage) for stage in range(STAGES)}
+    fastest = min(spans, key=spans.get)
+    span, idles = pipeline_timeline.idle(steps[fastest])
+    held = {stage: pipeline_timeline.held(steps[fastest], stage) for stage in range(STAGES)}
     busy = statistics.mean(span * (1 - fraction) for fraction in idles.values())
     return dict(schedule=schedule, M=M, ms=span * 1e3, busy=busy * 1e3, idle=idles,
                 formula=pipeline_timeline.bubble(STAGES, M), held=held, mean_idle=statistics.mean(idles.values()),
-                events=steps[median])
+                events=steps[fastest])
 
 
 def table(rows):
@@ -166,7 +167,7 @@ def main():
     drawn = {f"{'GPipe' if row['schedule'] == 'gpipe' else '1F1B'}, M={row['M']}: {row['ms']:.0f} ms":
              row["events"] for row in rows if row["M"] == args.draw}
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-    pipeline_timeline.plot(drawn, args.plot, "One optimizer step of 2 pipeline stages (the median of its "
+    pipeline_timeline.plot(drawn, args.plot, "One optimizer step of 2 pipeline stages (the fastest of its "
                                              "configuration): F = forward, B = backward of a micro-batch")
     print(f"plot: {args.plot}\n{time.perf_counter() - began:.0f} s; at the end: {machine_summary()}")
 
