@@ -49,20 +49,19 @@ jobs = {schedule: run(torchrun("pipeline_parallel.py", 2, 2, *args, "--schedule"
 print_job(jobs["1f1b"])"""),
     new_markdown_cell("""## The schedules, as they ran
 
-One optimizer step of each (the median of the last epoch), a row per stage, a box per pass: light for a forward,
-dark for a backward, the micro-batch's number in it. The blank space on each row is the bubble: the stage waits for
-an activation from the stage before, or a gradient from the one after."""),
+One optimizer step of each (the fastest: other work on the machine only slows a step down), a row per stage, a box
+per pass: light for a forward, dark for a backward, the micro-batch's number in it. The blank space on each row is
+the bubble: the stage waits for an activation from the stage before, or a gradient from the one after."""),
     new_code_cell("""steps = {schedule: pipeline_timeline.by_step(job.records("pipeline.jsonl"))
          for schedule, job in jobs.items()}
 
 
-def median_step(steps):
-    last_epoch = sorted(steps)[len(steps) // 2:]
-    return sorted(last_epoch, key=lambda step: pipeline_timeline.idle(steps[step])[0])[len(last_epoch) // 2]
+def fastest_step(steps):
+    return min(steps, key=lambda step: pipeline_timeline.idle(steps[step])[0])
 
 
 titles = {"1f1b": "1F1B", "gpipe": "GPipe"}
-pipeline_timeline.plot({f"{titles[schedule]}, M=4, step {median_step(s)}": s[median_step(s)]
+pipeline_timeline.plot({f"{titles[schedule]}, M=4, step {fastest_step(s)}": s[fastest_step(s)]
                         for schedule, s in steps.items()})"""),
     new_markdown_cell("""The order of the passes is the schedule's, on every step (the times above depend on the
 machine; this does not):"""),
