@@ -13,7 +13,8 @@ for the job to go on). `run()` starts a job and waits for it.
 
 The environment: the CPU (gloo) unless gpu=True, one compute thread per process, unbuffered output, and the
 repository on PYTHONPATH (a learner's script elsewhere still imports `utils`). With record=True the job's processes
-load recorder/sitecustomize.py, which records each torch.save and the samples each rank trains on, epoch by epoch;
+load recorder/sitecustomize.py, which records each torch.save and the samples each rank trains on, epoch by epoch,
+and each pass of a pipeline stage (job.records("pipeline.jsonl"), read by tools/pipeline_timeline.py);
 record_steps=True adds every optimizer step (its learning rate, and the gradient all-reduces DDP ran for it); kill_at,
 skip_all_reduce and stall_init inject faults through it, and slow_save makes every save slower (its docstring
 says how).
