@@ -4,8 +4,9 @@ The step scripts keep the distributed concepts (process group, sampler, DDP wrap
 in plain sight; only the parts that are the same in every step live here.
 """
 from utils import gpt, synthetic, vision
-from utils.helpers import (configure_cpu_threads, exit_without_teardown, positive_int, reason, replacing,
-                           require_a_gpu_each, require_epochs_left, require_same_arguments, require_torchrun,
+from utils.helpers import (configure_cpu_threads, exists_on_any_rank, exit_without_teardown, positive_int,
+                           positive_number, probability, reason, replacing, require_a_gpu_each, require_epochs_left,
+                           require_same_arguments, require_same_start, require_torchrun, stop_if_unloadable,
                            writable_path)
 from utils.launch import attempt_store, rendezvous_port, stop_workers_on_signals
 from utils.memory import log_memory
@@ -26,14 +27,15 @@ WORKLOADS = {
 }
 
 
-def make_workload(name="synthetic", seed=SEED):
-    """Build the named workload. Same name and seed: the same data and initial weights, in any process."""
+def make_workload(name="synthetic", seed=SEED, **options):
+    """Build the named workload. Same name, seed and options: the same data and initial weights, in any process.
+    Options are the builder's own (the GPT's: text, dropout)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
-    return WORKLOADS[name](seed)
+    return WORKLOADS[name](seed, **options)
 
 
-__all__ = ["WORKLOADS", "attempt_store", "configure_cpu_threads", "evaluate", "exit_without_teardown", "log_memory",
-           "log_rank_metrics", "make_workload", "positive_int", "reason", "rendezvous_port", "replacing",
-           "require_a_gpu_each", "require_epochs_left", "require_same_arguments", "require_torchrun",
-           "stop_workers_on_signals", "writable_path"]
+__all__ = ["WORKLOADS", "attempt_store", "configure_cpu_threads", "evaluate", "exists_on_any_rank",
+           "exit_without_teardown", "log_memory", "log_rank_metrics", "make_workload", "positive_int", "positive_number", "probability", "reason",
+           "rendezvous_port", "replacing", "require_a_gpu_each", "require_epochs_left", "require_same_arguments",
+           "require_same_start", "require_torchrun", "stop_if_unloadable", "stop_workers_on_signals", "writable_path"]
