@@ -55,8 +55,9 @@ class WarmupCosine:
         its last value and reaches the floor at the run's last step (a finished schedule stays at the floor)."""
         at = self.position + (step - self.start) * self.pace
         left = self.total_steps - at
-        self.start, self.position = step, at
-        self.pace = left / steps_left if left > 0 and steps_left > 0 else 0.0
+        pace = left / steps_left if left > 0 and steps_left > 0 else 0.0
+        if pace != self.pace:  # else the same steps lie ahead: nothing to change, not even the bookkeeping
+            self.start, self.position, self.pace = step, at, pace
 
 
 # ---------------------------------------------------------------------------------------------------- looking at it
