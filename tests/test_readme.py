@@ -80,3 +80,15 @@ def test_make_lab_adds_its_own_requirements_which_make_test_never_installs():
     assert "pip install --quiet -r requirements-lab.txt" in lab and re.search(r"jupyter lab notebooks/?$", lab, re.M)
     assert "requirements-lab.txt" not in test and "jupyter" not in test
     assert "jupyterlab" not in (REPO / "requirements.txt").read_text().lower()
+
+
+@pytest.mark.parametrize("name", stepdiff.steps())
+def test_the_steps_page_has_a_section_for_every_step(name):
+    headings = re.findall(r"^## Step \d+ .*$", (REPO / "docs" / "steps.md").read_text(), re.M)
+    assert any(f"`{name}`" in heading for heading in headings), f"docs/steps.md has no section for {name}"
+
+
+@pytest.mark.parametrize("name", stepdiff.steps())
+def test_the_reference_says_where_every_step_is(name):
+    where = (REPO / "docs" / "reference.md").read_text().split("## What is where", 1)[1]
+    assert re.search(rf"^{re.escape(name)} ", where, re.M), f"docs/reference.md's \"what is where\" lacks {name}"

@@ -52,7 +52,7 @@ class GPTConfig:
 
 
 SIZES = {
-    # Small enough for 2 CPU cores: 0.43M weights, ~15 s an epoch on one 2-thread process (REPORT.md). With a few
+    # Small enough for 2 CPU cores: 0.43M weights, ~15 s an epoch on one 2-thread process. With a few
     # epochs there is little to over-fit, so little dropout. lr 1e-3 beat 5e-4, 2e-3, 3e-3 and 6e-3 here.
     "cpu": GPTConfig(n_layer=2, n_head=4, n_embd=128, context=64, dropout=0.1, lr=1e-3, betas=(0.9, 0.99),
                      weight_decay=0.1),
