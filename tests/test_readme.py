@@ -92,3 +92,16 @@ def test_the_steps_page_has_a_section_for_every_step(name):
 def test_the_reference_says_where_every_step_is(name):
     where = (REPO / "docs" / "reference.md").read_text().split("## What is where", 1)[1]
     assert re.search(rf"^{re.escape(name)} ", where, re.M), f"docs/reference.md's \"what is where\" lacks {name}"
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_stops_with_one_line_on_a_python_older_than_the_pins_need(tmp_path):
+    """A Python that says it is 3.9 (the pins need 3.11): `make demo` stops before building .venv, with one line."""
+    old = tmp_path / "python3.9"
+    old.write_text("#!/bin/sh\necho False\n")  # what `import sys; print(sys.version_info >= (3, 11))` prints there
+    old.chmod(0o755)
+    made = subprocess.run(["make", "-n", "-B", "demo", f"PYTHON={old}"], cwd=REPO, capture_output=True, text=True)
+    assert made.returncode != 0 and "venv" not in made.stdout, made
+    assert re.fullmatch(rf"Makefile:\d+: \*\*\* {re.escape(str(old))} is not Python 3\.11 or newer, which "
+                        r"requirements\.txt needs: run make with PYTHON=python3\.11 \(or newer\)\.  Stop\.\n",
+                        made.stderr), made.stderr
