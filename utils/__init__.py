@@ -1,7 +1,11 @@
-"""What every step shares and none of them teaches: the workloads, evaluation and a few small helpers.
+"""What the steps share and none of them teaches: the workloads, evaluation, and the guards a step calls by name.
 
-The step scripts keep the distributed concepts (process group, sampler, DDP wrap, snapshots, ranks, sharding)
-in plain sight; only the parts that are the same in every step live here.
+The step scripts keep the distributed concepts (process group, sampler, DDP wrap, snapshots, ranks, sharding,
+accumulation, precision) in plain sight. What lives here is of two kinds: what several steps share (the workloads,
+evaluate(), per-rank metrics, argument types, the store of a torchrun attempt), and the guards against a mistake or a
+fault that a step needs but does not teach, each one call whose name says what it guards (require_torchrun,
+stop_if_unloadable, require_same_start...; for mp.spawn in step 2, a checked MASTER_PORT and Ctrl-C that stops the
+workers). Written out in the steps they would be a fifth of each script, and the lesson would drown in them.
 """
 from utils import gpt, synthetic, vision
 from utils.helpers import (configure_cpu_threads, exists_on_any_rank, exit_without_teardown, positive_int,

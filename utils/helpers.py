@@ -110,7 +110,12 @@ def reason(error):
         return f"rank {rank}: {reason(cause)}"
     lines = str(error).strip().splitlines() or [""]
     message = lines[0]
-    if message.startswith("Error(s) in loading state_dict for") and len(lines) > 1:
+    if message.startswith("Weights only load failed"):
+        # torch.load's long advice to load with weights_only=False is wrong here: a snapshot is tensors and plain
+        # containers. The line that says what it found is the one to show.
+        found = [line.strip() for line in lines[1:] if line.strip() and not line.startswith(("Please", "Check"))]
+        message = "not a file of tensors torch.load can read safely" + (f" ({found[0]})" if found else "")
+    elif message.startswith("Error(s) in loading state_dict for") and len(lines) > 1:
         message = f"it holds another model than this {message.split()[-1].rstrip(':')}: " + _state_dict_mismatch(lines[1:])
     if isinstance(error, OSError) and error.strerror:
         message = error.strerror + (f": {error.filename}" if error.filename else "")
