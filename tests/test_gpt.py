@@ -145,8 +145,8 @@ def test_the_snapshot_holds_everything_the_loop_depends_on(uninterrupted):
 
 def test_two_ranks_accumulating_two_micro_batches_of_b_end_where_one_process_with_4b_does(accumulated, text):
     """Exact up to float rounding: the same 16 samples per optimizer step, summed in another order. Adam divides by
-    the gradients' running magnitude, which magnifies that rounding in a few of the 431k weights (measured: at most
-    9e-6); without accumulation (2 ranks x 4, i.e. one process with 8) the weights end 1e-2 away.
+    the gradients' running magnitude, which magnifies that rounding in a few of the 111k weights (measured: at most
+    1.8e-5); without accumulation (2 ranks x 4, i.e. one process with 8) the weights end 7e-2 away.
 
     Adam hardly sees the scale of the gradients (and clipping to 1 hides more), so the weights alone would not show
     micro-batch losses left undivided by K: each step's all-reduced gradient (recorded by a DDP communication hook)
@@ -412,11 +412,13 @@ def test_a_snapshot_without_the_loops_state_stops_with_one_line(tmp_path):
 # --- FSDP ----------------------------------------------------------------------------------------------------------
 
 def test_fsdp_shards_the_gpt_block_by_block_and_trains_it(text, tmp_path):
-    """fsdp.py's units are the GPT's children (embedding, each block, head) and the root; 2 epochs of 8 steps."""
+    """fsdp.py's units are the GPT's children (embedding, each block, head) and the root; 2 epochs of 8 steps. fsdp.py
+    has no schedule: at the GPT's constant peak rate, 16 steps of 8 sequences are too few for each epoch's training
+    loss to fall steadily, but the held-out loss shows what it learned."""
     job = run(torchrun("fsdp.py", 2, 2, "--workload", "gpt-cpu", "--batch_size", B), cwd=tmp_path,
               env={TEXT_VARIABLE: text}, timeout=180)
-    assert job.losses[1] < job.losses[0], job.output
-    assert output.held_out(job.output)["loss"] < 0.9 * untrained_held_out_loss(text), job.output
+    assert sorted(job.losses) == [0, 1], job.output
+    assert output.held_out(job.output)["loss"] < 0.8 * untrained_held_out_loss(text), job.output
 
 
 # --- GPUs ------------------------------------------------------------------------------------------------------------
