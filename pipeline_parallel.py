@@ -16,25 +16,30 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import (WORKLOADS, attempt_store, configure_cpu_threads, evaluate, exit_without_teardown, make_workload,
-                   positive_int, log_rank_metrics, reason, replacing, require_epochs_left, require_same_arguments,
-                   require_torchrun, writable_path)
-from utils.gpt import generate, pipeline_stage, reassembled, require_pipeline_fits, stage_io
-from utils.loop import mfu, rng_state, set_rng_state, warmup_cosine
+from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
+                   positive_int, replacing)
+from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
+from utils import require_same_arguments, require_same_start
+from utils.gpt import pipeline_stage, reassembled, require_pipeline_fits, stage_io
+from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu, rng_state, set_rng_state
 
 
-def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+def ddp_setup(timeout_s):
+    # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each process it started.
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process drives its own GPU
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet in torchrun's store,
-                            store=attempt_store(timeout_s), rank=int(os.environ["RANK"]),  # under this attempt's keys
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process its own GPU
+    # The processes meet in torchrun's store, under keys of this attempt's own: after a restart the keys of the
+    # workers that died are still there (docs/steps.md explains). A collective stuck past the timeout fails.
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", store=attempt_store(timeout_s),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timedelta(seconds=timeout_s))
 
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, loss_fn, device, save_every, snapshot_path, args, mesh):
-        self.local_rank = int(os.environ["LOCAL_RANK"])  # its number on this node: picks the GPU
-        self.global_rank = int(os.environ["RANK"])  # its number in the whole job: logs, and the one writer
+        # LOCAL_RANK numbers the processes of this node (it picks the GPU); RANK numbers those of the whole job.
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.global_rank = int(os.environ["RANK"])
         self.device = device
         self.model = model.to(device)
         self.train_data = train_data
@@ -42,19 +47,15 @@ class Trainer:
         self.loss_fn = loss_fn
         self.save_every = save_every
         self.args, self.steps_per_epoch = args, len(train_data)  # an optimizer step per batch
-        schedule = warmup_cosine(args.total_epochs * self.steps_per_epoch)  # factor per optimizer step: warm-up, cosine
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        self.schedule = WarmupCosine(args.total_epochs * self.steps_per_epoch)  # warm-up, then a cosine
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule)
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)  # None: fp32
-        torch.manual_seed(1 + self.global_rank)  # dropout: every rank draws its own masks (the weights are built)
+        torch.manual_seed(1 + self.global_rank)  # the weights are built: each rank its own dropout masks
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path = snapshot_path
         self.epochs_run = self._load_snapshot() if os.path.exists(snapshot_path) else 0  # epochs already done
-        seen = torch.tensor([self.epochs_run, -self.epochs_run], device=device)  # every node reads its own disk:
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX)  # do all ranks resume from the same epoch?
-        if seen[0] != -seen[1]:
-            raise SystemExit(f"error: ranks resume from different epochs ({-int(seen[1])} to {int(seen[0])}): put "
-                             "--snapshot_path on storage that every node shares")
-        # DDP averages the gradients over this stage's copies in the other pipelines (dp), in the last micro-batch
+        require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
+        # DDP averages the gradients over this stage's copies in the other pipelines (dp), in the last micro-batch.
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
                          process_group=mesh["dp"].get_group())
         # The stage sends its activations down the pipeline (pp) and their gradients back up, in buffers of the shapes
@@ -65,19 +66,17 @@ class Trainer:
         # The schedule orders the passes. Each micro-batch's loss is divided by M: their gradients add up to the mean's.
         Schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
         self.pipeline = Schedule(self.stage, M, loss_fn=lambda logits, targets: loss_fn(logits, targets) / M)
-        self.pipeline.scale_grads = False  # torch >= 2.7 would divide the gradients by M once more; 2.6 never does
+        self.pipeline.scale_grads = False  # torch >= 2.7 would divide by M again; 2.6 never does
 
     def _load_snapshot(self):
-        try:  # weights_only: tensors and plain containers, never arbitrary pickled code
-            snapshot = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)
+        with stop_if_unloadable(self.snapshot_path):
+            snapshot = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)  # no pickled code
             self.model.load_state_dict(snapshot["MODEL_STATE"])
             self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
             self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])
-            set_rng_state(snapshot["RNG_STATES"][self.global_rank])  # this rank's dropout, where it left off
+            set_rng_state(snapshot["RNG_STATES"], self.global_rank)  # this rank's dropout, where it left off
             epochs_run = snapshot["EPOCHS_RUN"]
-        except Exception as error:  # garbage bytes, another model's snapshot, a missing key
-            raise SystemExit(f"error: cannot resume from {self.snapshot_path} ({reason(error)}); it is left in place: "
-                             "move it away to start anew")
+        self.schedule.resume(self.scheduler.last_epoch, (self.args.total_epochs - epochs_run) * self.steps_per_epoch)
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
         return epochs_run
 
@@ -94,65 +93,68 @@ class Trainer:
         dist.all_reduce(squares, group=self.stage.group)
         torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.args.grad_clip, squares.sqrt())
         self.optimizer.step()
-        self.scheduler.step()  # the schedule counts optimizer steps
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return len(source) * torch.stack([sum(losses), torch.ones_like(losses[0])]).detach() if losses else 0
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples]: stays on the device, no per-step sync
+        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             totals += self._run_batch(source, targets)
-        log_rank_metrics(epoch, self.steps_per_epoch, totals, start)  # this rank's own totals, not summed over ranks
-        dist.all_reduce(totals)  # summed over ranks (gloo has no AVG): the loss below is every rank's mean
-        mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
-        tokens_per_s = totals[1].item() * source.shape[1] / (time.perf_counter() - start)  # the whole job's
-        utilisation = mfu(self.model, tokens_per_s / dist.get_world_size(), self.device)  # None on a CPU
+        log_rank_metrics(epoch, self.steps_per_epoch, totals, start)
+        dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
+        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
+        samples_per_s = totals[1].item() / (time.perf_counter() - start)
+        tokens_per_s = samples_per_s * source.shape[1]  # the whole job's
+        utilisation = mfu(self.model, tokens_per_s, self.device, self.args.peak_tflops)
         if self.global_rank == 0:
             print(f"{self.tag} epoch {epoch} | steps {self.steps_per_epoch} | loss {mean_loss:.4f} | "
                   f"{tokens_per_s:,.0f} tokens/s" + (f" | MFU {utilisation:.1%}" if utilisation else ""))
 
     def _save_snapshot(self, epoch, rng_states):
+        # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
         snapshot = dict(MODEL_STATE=self.model.module.state_dict(), OPTIMIZER_STATE=self.optimizer.state_dict(),
                         SCHEDULER_STATE=self.scheduler.state_dict(),
-                        RNG_STATES=rng_states, STEPS_RUN=self.scheduler.last_epoch,
-                        EPOCHS_RUN=epoch + 1)  # all it takes to go on exactly (the data order is the sampler's)
-        with replacing(self.snapshot_path) as tmp:  # to a file of its own, then renamed over the last one: atomic, a
-            torch.save(snapshot, tmp)  # crash leaves the last snapshot whole; a failed write is removed and named
+                        RNG_STATES=rng_states, EPOCHS_RUN=epoch + 1)
+        # Written to a file of its own, then renamed over the last one: a crash never leaves half a file.
+        with replacing(self.snapshot_path) as tmp:
+            torch.save(snapshot, tmp)
         print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
-        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)  # a finished job run again says so
+        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                rng_states = [None] * dist.get_world_size()  # every rank's (CPU, CUDA): its own dropout masks
-                dist.all_gather_object(rng_states, rng_state())
+                rng_states = [None] * dist.get_world_size()
+                dist.all_gather_object(rng_states, rng_state())  # every rank's dropout generators
                 if self.global_rank < self.stage.num_stages:  # one writer per stage: the first pipeline's
                     self._save_snapshot(epoch, rng_states)
-                dist.barrier()  # no rank runs ahead of a snapshot that is not on disk yet
+                dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
 
 
-def load_train_objs(workload_name):
-    return make_workload(workload_name)  # dataset, held-out split, model, optimizer, loss: one call, every step
+def load_train_objs(args):
+    return make_workload(args.workload, text=args.text, dropout=args.dropout)  # data, model, optimizer and loss
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int, dp):
-    # The stages of a pipeline take the same batches, 1/dp of the data; whole ones, as the first shapes the buffers
+    # The stages of a pipeline take the same batches, 1/dp of the data; whole ones: the stages' buffers have one shape.
     return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
                       drop_last=True, sampler=DistributedSampler(dataset, dp.size(), dp.get_local_rank()))
 
 
 def main(args):
+    check_options(args)  # a --grad_clip not above 0...: one line, before anything
     stages = require_pipeline_fits(args, int(os.environ["WORLD_SIZE"]))  # processes / --dp, if the GPT allows
     ddp_setup(args.timeout)
-    require_same_arguments(args)  # every node started with the same command? Else all stop here, with one line
+    require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only the processes of this node share its cores
-    workload = load_train_objs(args.workload)
-    # The ranks as a grid, rank = dp index * stages + stage: a pipeline along "pp", a stage's copies along "dp"
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
+    workload = load_train_objs(args)
+    # The ranks as a grid, rank = dp index * stages + stage: a pipeline along "pp", a stage's copies along "dp".
     mesh = init_device_mesh(device.type, (args.dp, stages), mesh_dim_names=("dp", "pp"))
     stage = pipeline_stage(workload.model, mesh["pp"].get_local_rank(), stages)  # the GPT less the other stages
     root, extension = os.path.splitext(args.snapshot_path)  # a snapshot file per stage: NAME.stageK.pt
@@ -167,7 +169,7 @@ def main(args):
         sample = generate(trainer.model, seed=0).strip("\n").splitlines()  # the same seed every run
         print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
     dist.destroy_process_group()
-    exit_without_teardown()  # a gloo thread may still hold tensors: see utils
+    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
 
 
 if __name__ == "__main__":
@@ -177,14 +179,14 @@ if __name__ == "__main__":
     parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per pipeline")
     parser.add_argument("--workload", default="gpt", choices=[w for w in WORKLOADS if w.startswith("gpt")])
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
-    parser.add_argument("--snapshot_path", default="snapshot.pt", type=writable_path, help="Where to save and resume")
+    parser.add_argument("--snapshot_path", default="pp_snapshot.pt", type=writable_path, help="NAME.stageK.pt each")
     parser.add_argument("--microbatches", default=4, type=positive_int, help="Micro-batches per batch (M)")
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="The order of their passes")
     parser.add_argument("--dp", default=1, type=positive_int, help="Pipelines side by side, data-parallel")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast")
-    parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step")
+    parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step (inf: no clip)")
+    add_gpt_arguments(parser)  # --text, --dropout, --peak_tflops
     args = parser.parse_args()
 
-    require_torchrun("torchrun --nnodes=2 --nproc_per_node=1 --rdzv_id=job1 --rdzv_backend=c10d "
-                     "--rdzv_endpoint=HEAD:29500")  # a clear error for plain `python`, or more processes than GPUs
+    require_torchrun()
     main(args)

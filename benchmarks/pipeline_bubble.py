@@ -57,20 +57,20 @@ def worker(rank, args, text_path, result_path):
 
     import pipeline_parallel
     from utils import make_workload
-    from utils.gpt import TEXT_VARIABLE, pipeline_stage
+    from utils.gpt import pipeline_stage
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), **{TEXT_VARIABLE: text_path})
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=STAGES, timeout=timedelta(seconds=args.timeout))
     mesh = init_device_mesh("cpu", (1, STAGES), mesh_dim_names=("dp", "pp"))
     trainers = {}
     for schedule, M in configurations(args.microbatches):
-        workload = make_workload("gpt-cpu")
+        workload = make_workload("gpt-cpu", text=text_path)
         stage = pipeline_stage(workload.model, rank, STAGES)
         loader = DataLoader(workload.train_set, batch_size=args.batch_size, drop_last=True,
                             sampler=DistributedSampler(workload.train_set, num_replicas=1, rank=0))
         options = Namespace(total_epochs=1000, microbatches=M, schedule=schedule, batch_size=args.batch_size,
-                            precision="fp32", grad_clip=1.0)
+                            precision="fp32", grad_clip=1.0, peak_tflops=None)
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             trainers[schedule, M] = pipeline_parallel.Trainer(
                 stage, loader, workload.make_optimizer(stage), workload.loss_fn, torch.device("cpu"), 1000,
