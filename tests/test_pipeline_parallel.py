@@ -10,6 +10,7 @@ on a short excerpt of the help pages (`--text`): 64 training sequences of 64 cha
 ~5 s of CPU importing torch and its pipelining): 1F1B with M=4; GPipe with M=4, a worker killed on the way; 1F1B with
 M=2; and dp 2 x pp 2 with M=1."""
 import json
+import math
 import re
 import runpy
 import sys
@@ -56,7 +57,8 @@ def pipeline(tmp_path_factory, text, name, *args, nproc=2, **options):
 
 @pytest.fixture(scope="module")
 def one_f_one_b(tmp_path_factory, text):
-    return pipeline(tmp_path_factory, text, "1f1b", "--schedule", "1f1b", "--microbatches", 4, record=True)
+    """1F1B with M=4, every optimizer step recorded: the gradient norm each stage's DDP all-reduced for it."""
+    return pipeline(tmp_path_factory, text, "1f1b", "--schedule", "1f1b", "--microbatches", 4, record_steps=True)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +130,7 @@ def epoch_losses(job, last_stage_ranks=(1,)):
     return [summed / samples for _, (summed, samples) in sorted(totals.items())]
 
 
-def assert_close(actual, expected, atol=1e-5):
+def assert_close(actual, expected, atol=5e-5):
     assert actual.keys() == expected.keys()
     worst = max((actual[name] - tensor).abs().max().item() for name, tensor in expected.items())
     assert worst <= atol, f"the weights differ by up to {worst:.2e}"
@@ -138,11 +140,20 @@ def assert_close(actual, expected, atol=1e-5):
 # --- 2 stages are one model -------------------------------------------------------------------------------------------
 
 def test_two_stages_on_two_ranks_train_what_one_process_does(one_f_one_b, reference):
-    """Every epoch's loss and the final weights to 1e-5. Clipping is on in most steps (the norm is above 1), so the
-    stages must clip by the whole model's norm: each by its own would end elsewhere."""
-    assert sum(norm > 1 for norm in reference["norms"]) >= len(reference["norms"]) // 2, reference["norms"]
+    """Every epoch's loss to 1e-5 (measured: 4e-7) and the final weights to 5e-5 (measured: 2.4e-5; Adam's division
+    by the gradients' running magnitude magnifies the rounding of micro-batch sums in a few weights, as in test_gpt).
+
+    Adam hardly sees the scale of the gradients, so the weights alone would not show a loss left undivided by M, or
+    divided twice: each step's gradient norm, from the two stages' own (what DDP all-reduced, recorded by a
+    communication hook), must be the one-process norm of the whole batch's mean. Clipping is on in the first steps
+    (the norm is above 1), so the stages must clip by the whole model's norm: each by its own ends elsewhere."""
+    assert sum(norm > 1 for norm in reference["norms"]) >= 4, reference["norms"]
     assert epoch_losses(one_f_one_b) == pytest.approx(reference["losses"], abs=1e-5)
     assert_close(weights(one_f_one_b), reference["weights"])
+    stages = [[step["grad_norms"] for step in one_f_one_b.steps if step["rank"] == rank] for rank in (0, 1)]
+    assert all(len(norms) == 1 for rank in stages for norms in rank), "one all-reduce per step and stage"
+    whole = [math.hypot(first[0], last[0]) for first, last in zip(*stages)]
+    assert whole == pytest.approx(reference["norms"], rel=1e-4), (whole, reference["norms"])
 
 
 def test_gpipe_killed_and_resumed_ends_bit_for_bit_where_1f1b_does(one_f_one_b, gpipe):

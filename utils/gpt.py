@@ -314,7 +314,8 @@ def reassembled(stage):
     device: each rank's weights gathered to every rank. A collective: call it on every rank."""
     stage = unwrap(stage)
     pieces = [None] * dist.get_world_size()
-    dist.all_gather_object(pieces, {name: tensor.cpu() for name, tensor in stage.state_dict().items()})
+    dist.all_gather_object(pieces, {name: value.cpu() if isinstance(value, torch.Tensor) else value
+                                    for name, value in stage.state_dict().items()})  # the text's identity too
     model = GPT(stage.config, stage.vocab, stage.text)
     missing = set(model.state_dict()) - {name for piece in pieces for name in piece}
     assert not missing, f"no stage holds {sorted(missing)}"

@@ -124,7 +124,7 @@ if RECORD_DIR or KILL_AT:
         _wrapped[0] = True
         _ddp_init(self, *args, **kwargs)
         if RECORD_STEPS:
-            self.register_comm_hook(None, _counting_all_reduce)
+            self.register_comm_hook(self.process_group, _counting_all_reduce)  # DDP's group: the world, or less
         if RECORD_DIR:
             import weakref
 
@@ -318,7 +318,7 @@ if RECORD_STEPS:
             squares.append(float(averaged.double().pow(2).sum()))
             return averaged
 
-        return allreduce_hook(None, bucket).then(note)
+        return allreduce_hook(state, bucket).then(note)
 
     def _recording_step(optimizer, args, kwargs):
         _append("steps.jsonl", json.dumps(dict(
