@@ -184,7 +184,7 @@ def test_two_pipelines_of_two_stages_train_what_one_process_does_with_both_batch
     assert epoch_losses(job, last_stage_ranks=(1, 3)) == pytest.approx(reference["losses"], abs=1e-5)
     assert output.epoch_losses(job.output) == pytest.approx(dict(enumerate(reference["losses"])), abs=1e-4)
     assert sorted({(rank, saved_name(path)) for _, rank, path in job.writes}) == \
-        [(0, "snapshot.stage0.pt"), (1, "snapshot.stage1.pt")], job.writes
+        [(0, "pp_snapshot.stage0.pt"), (1, "pp_snapshot.stage1.pt")], job.writes
 
 
 def test_each_stage_writes_its_own_layers_and_state(one_f_one_b, reference):
