@@ -1,8 +1,8 @@
 """The pipeline's bubble, measured: GPipe and 1F1B over M micro-batches on 2 stages of the CPU-size GPT, each step's
 idle fraction against the formula (stages - 1) / (M + stages - 1), and the activations each stage holds, in one run.
 
-    python benchmarks/pipeline_bubble.py                          # M = 1 2 4 8, batch 32, 3 rounds
-    python benchmarks/pipeline_bubble.py --microbatches 2 4 8 16 --batch_size 64
+    python benchmarks/pipeline_bubble.py                          # M = 1 2 4 8, batch 128, 3 rounds
+    python benchmarks/pipeline_bubble.py --microbatches 2 4 8 16 --batch_size 256
 
 Two processes (one CPU thread each, gloo) hold the two stages: the embedding and block 0, then block 1 and the head.
 For every schedule and M they build pipeline_parallel.py's own Trainer (its stage, DDP, schedule, clipping, AdamW)
@@ -134,7 +134,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--microbatches", type=positive_int, nargs="+", default=[1, 2, 4, 8],
                         help="values of M (default 1 2 4 8)")
-    parser.add_argument("--batch_size", type=positive_int, default=32, help="sequences per step (default 32)")
+    parser.add_argument("--batch_size", type=positive_int, default=128, help="sequences per step (default 128)")
     parser.add_argument("--steps", type=positive_int, default=5, help="optimizer steps per turn (default 5)")
     parser.add_argument("--rounds", type=positive_int, default=3, help="measured rounds (default 3)")
     parser.add_argument("--chars", type=positive_int, default=60000,

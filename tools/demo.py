@@ -70,9 +70,9 @@ def main():
     jobs["gpt.py"] = show("Step 6: a small GPT, 2 micro-batches per optimizer step (no_sync)", torchrun(
         "gpt.py", GPT_EPOCHS, GPT_EPOCHS, "--batch_size", 16, "--grad_accum", 2,
         *(["--precision", "bf16"] if GPUS else []), nproc="gpu" if GPUS else 2), timeout=args.timeout)
-    # One epoch: each stage runs every batch through its half of the model, about what an epoch of step 6 costs a rank
+    # One epoch of the help pages: each stage runs every batch through its half of the model.
     jobs["pipeline_parallel.py"] = show("Step 8: the GPT in 2 pipeline stages, 4 micro-batches each (1F1B)", torchrun(
-        "pipeline_parallel.py", 1, 1, "--snapshot_path", "pp_snapshot.pt", *(["--precision", "bf16"] if GPUS else []),
+        "pipeline_parallel.py", 1, 1, *(["--precision", "bf16"] if GPUS else []),
         nproc=min(GPUS, 2) or 2), timeout=args.timeout)
 
     fault = show("Step 3 under fire: a worker SIGKILLed, torchrun restarts the group, the job resumes",
