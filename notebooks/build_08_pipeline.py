@@ -74,8 +74,10 @@ for schedule, recorded in steps.items():
 
 Each step's idle fraction per stage: the part of the step (from the first forward's start to the last backward's
 end) in which the stage computed nothing. The formula assumes every pass takes the same time on every stage and
-that sending costs nothing; on CPU processes sending a micro-batch's activations costs a little, and a busy machine
-adds its own waits. `benchmarks/pipeline_bubble.py` measures it for M = 1 to 8 in one run."""),
+that sending costs nothing. Here a micro-batch is 4 sequences through one block of a small model: its compute is
+short next to what every micro-batch pays anyway (sending its activations over gloo, the schedule's Python), so the
+stages idle well beyond the formula, and a busy machine adds its own waits. `benchmarks/pipeline_bubble.py`
+measures it for M = 1 to 8 with batches of 128, where the formula holds up to M = 4."""),
     new_code_cell("""for schedule, recorded in steps.items():
     idles = [pipeline_timeline.idle(events)[1] for events in recorded.values()]
     mean = {stage: sum(idle[stage] for idle in idles) / len(idles) for stage in (0, 1)}
