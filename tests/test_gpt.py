@@ -204,16 +204,26 @@ def test_a_schedule_resumed_with_other_arguments_goes_on_from_where_it_was_to_th
 
 
 def test_a_snapshot_resumes_on_more_ranks_than_wrote_it_with_the_schedule_going_on(uninterrupted, text, tmp_path):
-    """2 ranks wrote it after 3 epochs (dropout on); 3 ranks resume it for a 4th (what an elastic job that grows
-    does). The third rank has no saved random state: it keeps its own seed's. The schedule had ended (12 of 12 steps):
-    the 4th epoch's steps stay at the floor instead of jumping back up a cosine recomputed for 4 epochs."""
-    shutil.copy(uninterrupted.workdir / SNAPSHOT, tmp_path / SNAPSHOT)
+    """2 ranks wrote it after 3 epochs of a run planned for 6 (the uninterrupted run's snapshot, its schedule and
+    learning rate set as a 6-epoch run's are after 3: what such a run leaves when it is stopped). 3 ranks resume it to
+    end after a 4th epoch (an elastic job that grew, and a shorter plan): 3 optimizer steps, 3 ranks x K=2 x 4 of the
+    64 sequences. The third rank has no saved random state: it keeps its own seed's. The learning rate goes on from
+    where the schedule stood (step 12 of 24) and the 12 planned steps left are fitted to the 3 this run takes: no jump
+    back up a cosine recomputed for the new command, no stop half-way down the old one."""
+    planned = WarmupCosine(6 * STEPS_PER_EPOCH)
+    snapshot = load(uninterrupted.workdir / SNAPSHOT)
+    for schedule in snapshot["SCHEDULER_STATE"]["lr_lambdas"]:
+        schedule.update(vars(planned))
+    snapshot["SCHEDULER_STATE"]["_last_lr"] = [LR * planned(12)] * 2
+    for group in snapshot["OPTIMIZER_STATE"]["param_groups"]:
+        group["lr"] = LR * planned(12)
+    torch.save(snapshot, tmp_path / SNAPSHOT)
     job = run(torchrun("gpt.py", 4, 1, *gpt_args(text, *ACCUMULATED, "--dropout", DROPOUT), nproc=3), cwd=tmp_path,
               record_steps=True, timeout=180)
     assert "[rank 0/3 | local 0 | cpu] resuming from epoch 3, restart 0" in job.output, job.output
     assert sorted(job.losses) == [3] and not job.errors, job.output
-    lrs = [step["lr"] for step in job.steps]
-    assert lrs and all(lr == pytest.approx(0.1 * LR) for lr in lrs), lrs
+    lrs = [step["lr"] for step in steps_of(job, 0)]
+    assert lrs == pytest.approx([LR * planned(step) for step in (12, 16, 20)], rel=1e-9), lrs
     assert len(load(tmp_path / SNAPSHOT)["RNG_STATES"]) == 3
 
 
