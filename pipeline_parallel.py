@@ -20,7 +20,7 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_same_arguments, require_same_start
-from utils.gpt import pipeline_stage, reassembled, require_pipeline_fits, stage_io
+from utils.pipeline import pipeline_stage, reassembled, require_pipeline_fits, stage_io
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu, rng_state, set_rng_state
 
 

@@ -57,7 +57,7 @@ def worker(rank, args, text_path, result_path):
 
     import pipeline_parallel
     from utils import make_workload
-    from utils.gpt import pipeline_stage
+    from utils.pipeline import pipeline_stage
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
