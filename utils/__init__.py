@@ -6,9 +6,9 @@ in plain sight; only the parts that are the same in every step live here.
 from utils import gpt, synthetic, vision
 from utils.helpers import (configure_cpu_threads, exit_without_teardown, positive_int, reason, replacing,
                            require_a_gpu_each, require_epochs_left, require_same_arguments, require_torchrun,
-                           writable_path)
-from utils.launch import attempt_store, rendezvous_port, stop_workers_on_signals
-from utils.memory import log_memory
+                           require_tp_fits, writable_path)
+from utils.launch import attempt_store, mesh_with_timeout, rendezvous_port, stop_workers_on_signals
+from utils.memory import log_memory, log_slices
 from utils.metrics import log_rank_metrics
 from utils.workload import SEED, evaluate
 
@@ -34,6 +34,6 @@ def make_workload(name="synthetic", seed=SEED):
 
 
 __all__ = ["WORKLOADS", "attempt_store", "configure_cpu_threads", "evaluate", "exit_without_teardown", "log_memory",
-           "log_rank_metrics", "make_workload", "positive_int", "reason", "rendezvous_port", "replacing",
-           "require_a_gpu_each", "require_epochs_left", "require_same_arguments", "require_torchrun",
-           "stop_workers_on_signals", "writable_path"]
+           "log_rank_metrics", "log_slices", "make_workload", "mesh_with_timeout", "positive_int", "reason",
+           "rendezvous_port", "replacing", "require_a_gpu_each", "require_epochs_left", "require_same_arguments",
+           "require_torchrun", "require_tp_fits", "stop_workers_on_signals", "writable_path"]
