@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
@@ -117,6 +118,9 @@ def worker(rank, world_size, args, text_path, result_path):
     from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE
 
     torch.set_num_threads(1)
+    # Under CommDebugMode's module tracker FSDP warns that a block returns a view (a linear layer's 3-D output is
+    # one): no in-place operation follows, so nothing is lost.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     os.environ.update({TEXT_VARIABLE: text_path, DROPOUT_VARIABLE: "0", "BENCH_WORKLOAD": f"gpt-{args.size}"})
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout))
     runs = {}

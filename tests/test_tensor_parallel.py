@@ -173,26 +173,21 @@ def test_the_ranks_of_a_tp_group_train_on_the_same_batches_and_the_dp_groups_on_
     assert orders[0] != orders[1], "set_epoch reshuffles"
 
 
-def slices(text):
-    """The rows of the slices table `--verbose` prints: (rank, dp, tp, matrix, full, tp slice, stored, KiB)."""
-    shape = r"(\d+)x(\d+)"
-    rows = re.findall(rf"^ +(\d) +(\d) +(\d)  (\S+) +{shape} +{shape} +{shape} +([\d.]+)$", text, re.M)
-    return [(int(r[0]), int(r[1]), int(r[2]), r[3], (int(r[4]), int(r[5])), (int(r[6]), int(r[7])),
-             (int(r[8]), int(r[9])), float(r[10])) for r in rows]
-
-
 def test_verbose_shows_each_rank_holding_half_of_every_split_matrix_and_a_quarter_stored(two_d, text):
     """tp 2: q, k, v and the MLP's first matrix lose half their output rows, the two matrices after them half their
     input columns; FSDP then stores half of each slice's rows on each dp rank."""
-    rows = slices(two_d.output)
+    rows = output.slices(two_d.output)
     matrices = ["attention.q.weight", "attention.k.weight", "attention.v.weight", "attention.proj.weight",
                 "mlp.fc.weight", "mlp.proj.weight"]
-    assert [row[:4] for row in rows] == [(rank, rank // 2, rank % 2, name) for rank in range(4) for name in matrices]
-    for rank, dp, tp, name, full, tp_slice, stored, kib in rows:
-        split_rows = name.split(".")[1] in ("q", "k", "v", "fc")
-        assert tp_slice == ((full[0] // 2, full[1]) if split_rows else (full[0], full[1] // 2)), (rank, name)
-        assert stored == (tp_slice[0] // 2, tp_slice[1]), (rank, name)
-        assert kib == pytest.approx(stored[0] * stored[1] * 4 / 1024), (rank, name)
+    assert [(row["rank"], row["dp"], row["tp"], row["matrix"]) for row in rows] == [
+        (rank, rank // 2, rank % 2, name) for rank in range(4) for name in matrices]
+    for row in rows:
+        (out_features, in_features), where = row["full"], (row["rank"], row["matrix"])
+        split_rows = row["matrix"].split(".")[1] in ("q", "k", "v", "fc")
+        assert row["tp_slice"] == ((out_features // 2, in_features) if split_rows else
+                                   (out_features, in_features // 2)), where
+        assert row["stored"] == (row["tp_slice"][0] // 2, row["tp_slice"][1]), where
+        assert row["KiB"] == pytest.approx(row["stored"][0] * row["stored"][1] * 4 / 1024), where
     full = sum(p.numel() * 4 for p in built(text).model.parameters()) / 2**20
     for row in output.memory_tables(two_d.output)["end"]:  # the blocks: a quarter each; embedding, head: a half
         assert full / 4 < row["params MiB"] < full / 3, (row, full)
@@ -293,5 +288,7 @@ def test_bf16_tensor_parallelism_trains_on_the_gpus_there_are(tmp_path):
     job = run(torchrun("tensor_parallel.py", 2, 2, "--tp", tp, "--precision", "bf16", "--verbose", nproc=nproc),
               cwd=tmp_path, gpu=True, timeout=600)
     assert job.losses[1] < job.losses[0] and "| cuda:0]" in job.output, job.output
-    for rank, dp, tp_rank, name, full, tp_slice, stored, kib in slices(job.output):
-        assert tp_slice[0] * tp_slice[1] * tp == full[0] * full[1], (rank, name)
+    rows = output.slices(job.output)
+    assert len(rows) == 6 * nproc, job.output
+    for row in rows:
+        assert row["tp_slice"][0] * row["tp_slice"][1] * tp == row["full"][0] * row["full"][1], row
