@@ -18,7 +18,8 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, attempt_store, configure_cpu_threads, evaluate, exit_without_teardown, make_workload,
                    positive_int, log_rank_metrics, reason, replacing, require_epochs_left, require_same_arguments,
                    require_torchrun, writable_path)
-from utils.gpt import check_options, generate, mfu, rng_state, set_rng_state, warmup_cosine
+from utils.gpt import generate
+from utils.loop import check_options, mfu, rng_state, set_rng_state, warmup_cosine
 
 
 def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT

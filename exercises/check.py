@@ -505,7 +505,7 @@ def accumulation_reference(text):
 def accumulation_problems(steps, reference):
     """What the recorded optimizer steps of rank 0 say about the accumulation: their number, the all-reduce rounds
     each took, the size of the first one's gradient, and the learning rate each used."""
-    from utils.gpt import warmup_cosine
+    from utils.loop import warmup_cosine
 
     norm, peak_lr, steps_per_epoch = reference
     expected_steps, K = ACCUM_EPOCHS * steps_per_epoch, ACCUM_K

@@ -19,8 +19,8 @@ from torch.utils.data.distributed import DistributedSampler
 from expect import assert_bitwise_equal, assert_one_writer
 from tools.jobs import output, run, script, start, torchrun
 from utils import evaluate, make_workload
-from utils.gpt import (DROPOUT_VARIABLE, PEAK_BF16_FLOPS, TEXT_VARIABLE, compiler_missing, help_pages,
-                       warmup_cosine)
+from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
+from utils.loop import PEAK_BF16_FLOPS, compiler_missing, warmup_cosine
 
 TEXT_CHARS = 4600  # 90% to train on: 4,140 characters, 64 blocks of 64 (+1) characters; 7 blocks held out
 B, K = 4, 2  # micro-batch per rank, micro-batches per optimizer step

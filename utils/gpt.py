@@ -14,17 +14,13 @@ Two sizes of the same model:
 $TUTORIAL_GPT_DROPOUT overrides the size's dropout (0 for exact comparisons: every rank then computes what one
 process would).
 
-The pieces step 6 (gpt.py) uses besides the Workload itself:
-    warmup_cosine(total_steps)                  the learning-rate factor per optimizer step, for LambdaLR
+Besides the Workload itself:
     generate(model, prompt, new_tokens, seed)   a short sample, decoded to text: what the model has learned
-    mfu(model, tokens_per_s, device)            model-FLOPs utilisation of a GPU (None on a CPU)
-    compiler_missing()                          why torch.compile cannot build kernels here (None: it can)
+    flops_per_token(model)                      the model FLOPs one trained token costs (for the MFU, utils/loop.py)
 """
 import dataclasses
 import math
 import os
-import shutil
-import sys
 from collections import OrderedDict
 
 import torch
@@ -294,21 +290,6 @@ def gpt_gpu(seed):
     return gpt(seed, "gpu")
 
 
-def warmup_cosine(total_steps, warmup_fraction=0.05, floor=0.1):
-    """The learning-rate factor at each optimizer step, for torch.optim.lr_scheduler.LambdaLR: a linear warm-up over
-    the first `warmup_fraction` of the steps (Adam's moment estimates are noisy at first: big steps then can
-    throw the weights far off), then a cosine from 1 down to `floor` at the last step."""
-    warmup = max(1, int(warmup_fraction * total_steps))
-
-    def factor(step):  # step: optimizer steps taken so far (LambdaLR's count)
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
 # ---------------------------------------------------------------------------------------------------- looking at it
 
 @torch.no_grad()
@@ -356,66 +337,3 @@ def flops_per_token(model_or_config):
     per_block = (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C) + 2 * 2 * C  # + 2 norms
     n = L * per_block + (2 * C + C * V)  # + final norm and head
     return 6 * n + 12 * L * C * T
-
-
-# Dense bf16 peak of common GPUs, FLOP/s (vendors' datasheets, without sparsity). The name is matched as a substring
-# of torch.cuda.get_device_name(); $TUTORIAL_PEAK_TFLOPS overrides (e.g. 989 for an H100 SXM).
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
-                   "L4": 121e12, "A10": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
-PEAK_VARIABLE = "TUTORIAL_PEAK_TFLOPS"
-
-
-def peak_flops(device):
-    """The GPU's peak dense bf16 FLOP/s ($TUTORIAL_PEAK_TFLOPS, else the table), or None when unknown or a CPU."""
-    if os.environ.get(PEAK_VARIABLE):
-        return float(os.environ[PEAK_VARIABLE]) * 1e12
-    if torch.device(device).type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-def mfu(model, tokens_per_s, device):
-    """Model-FLOPs utilisation of one device: the model FLOPs its `tokens_per_s` need over its peak; None on a CPU
-    or an unknown GPU. The peak is the bf16 one whatever the precision, as nanoGPT and PaLM count it."""
-    peak = peak_flops(device)
-    return None if peak is None else flops_per_token(unwrap(model)) * tokens_per_s / peak
-
-
-def compiler_missing():
-    """None if torch.compile can build kernels here, else what is missing. Inductor compiles C++ for the CPU (the
-    compiler in $CXX, by default g++, clang++ on macOS); on GPUs Triton builds its launchers with a C compiler."""
-    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
-    if shutil.which(cxx) is None:
-        return f"no C++ compiler: {cxx} is not on PATH (set CXX to one)"
-    if torch.cuda.is_available() and not any(map(shutil.which, [os.environ.get("CC", "cc"), "gcc", "clang"])):
-        return "no C compiler for Triton: cc, gcc and clang are not on PATH (set CC to one)"
-    return None
-
-
-def check_options(precision, compile):
-    """Stop with one line when step 6's options cannot run here: fp16 without CUDA, --compile without a compiler."""
-    if precision == "fp16" and not torch.cuda.is_available():
-        raise SystemExit("error: --precision fp16 needs a CUDA GPU (its gradient scaler is for GPUs); on a CPU use "
-                         "--precision bf16")
-    missing = compiler_missing() if compile else None
-    if missing:
-        raise SystemExit(f"error: --compile needs a compiler to build its kernels, and there is {missing}; "
-                         "leave --compile out to train without it")
-
-
-# ---------------------------------------------------------------------------------------------------- random state
-
-def rng_state():
-    """This process's random-number state: (CPU generator's, the current GPU's or None). Dropout draws from the CPU
-    generator on a CPU and from the GPU's on a GPU; a snapshot that holds both resumes the same masks."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-
-
-def set_rng_state(state):
-    """Put back a state rng_state() returned. Generator states are CPU byte tensors, wherever torch.load's
-    map_location put them (a snapshot loaded onto the GPU has them there)."""
-    cpu, cuda = state
-    torch.set_rng_state(cpu.cpu())
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda.cpu())
