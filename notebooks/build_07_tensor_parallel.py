@@ -66,7 +66,7 @@ for epoch in (0, 1):
 with, and what it stores: FSDP splits that slice once more over `dp` (and gathers it back just before the block
 runs). `q`, `k`, `v` and `mlp.fc` are split by rows (outputs: for `q`, `k`, `v` that is whole heads), `attention.proj`
 and `mlp.proj` by columns (inputs: the partial sums are all-reduced over the tp group)."""),
-    new_code_cell("""plot_slices(job)"""),
+    new_code_cell("""plot_slices(job, heads=4)  # the CPU-size GPT has 4 heads per block"""),
     new_code_cell("""# NBVAL_CHECK_OUTPUT
 for row in output.slices(job.output):
     if row["rank"] == 1:

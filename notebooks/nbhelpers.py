@@ -225,35 +225,39 @@ def plot_mesh(job, epoch=0, show=6):
     plt.show()
 
 
-def plot_slices(job):
+def plot_slices(job, heads=None):
     """What each rank holds of every matrix of a block (`tensor_parallel.py --verbose`'s slices table): each matrix
-    drawn to scale (rows: its outputs, columns: its inputs), coloured by the tp rank that computes with that part;
-    the lighter band of each part is what its dp peers store instead (FSDP splits every tp slice once more)."""
+    drawn to its shape (rows: its outputs, columns: its inputs), coloured by the tp rank that computes with that part;
+    the lighter band of each part is what its other dp rank stores (FSDP splits every tp slice once more). With
+    `heads` (the model's), the row slices of q, k and v are labelled with the heads they compute."""
     from tools.jobs.output import slices
 
     rows = slices(job.output)
     matrices = list(dict.fromkeys(row["matrix"] for row in rows))
-    fig, axes = plt.subplots(1, len(matrices), figsize=(2.0 * len(matrices), 3.2))
-    largest = max(max(row["full"]) for row in rows)
+    fig, axes = plt.subplots(1, len(matrices), figsize=(2.1 * len(matrices), 3.4))
     for ax, name in zip(axes, matrices):
         mine = [row for row in rows if row["matrix"] == name]
         out_features, in_features = mine[0]["full"]
+        tp_size = max(row["tp"] for row in mine) + 1
         for row in mine:
             split_rows = row["tp_slice"][0] < out_features
             height, width = row["tp_slice"]
-            top = row["tp"] * height if split_rows else 0
-            left = 0 if split_rows else row["tp"] * width
+            top, left = (row["tp"] * height, 0) if split_rows else (0, row["tp"] * width)
             stored = row["stored"][0]  # FSDP splits the slice's first dimension over dp
             ax.add_patch(plt.Rectangle((left, top + row["dp"] * stored), width, stored, lw=0.5, ec="white",
-                                       color=RANK_COLORS[row["tp"] % 4], alpha=0.75 if row["dp"] == 0 else 0.35))
-        ax.set(xlim=(0, largest), ylim=(largest, 0), aspect="equal", xticks=[], yticks=[])
+                                       color=RANK_COLORS[row["tp"] % 4], alpha=0.8 if row["dp"] == 0 else 0.35))
+            if heads and row["dp"] == 0 and name.split(".")[1] in ("q", "k", "v"):
+                first = row["tp"] * heads // tp_size
+                ax.text(width / 2, top + height / 2, f"heads {first}-{first + heads // tp_size - 1}", ha="center",
+                        va="center", fontsize=7)
+        ax.set(xlim=(0, in_features), ylim=(out_features, 0), aspect="equal", xticks=[], yticks=[])
         ax.set_title(f"{name.rsplit('.', 1)[0]}\n{out_features} x {in_features}", fontsize=9)
     axes[0].set_ylabel("outputs (rows)")
-    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=RANK_COLORS[tp], alpha=alpha,
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=RANK_COLORS[tp % 4], alpha=alpha,
                                       label=f"tp {tp}, stored by dp {dp}")
-                        for tp in sorted({row["tp"] for row in rows}) for dp, alpha in ((0, 0.75), (1, 0.35))
+                        for tp in sorted({row["tp"] for row in rows}) for dp, alpha in ((0, 0.8), (1, 0.35))
                         if any(row["dp"] == dp for row in rows)],
                loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.suptitle("Which rank holds which part of each matrix of a block (columns: inputs)", fontsize=10)
+    fig.suptitle("Which rank holds which part of each matrix of a block (rows: outputs, columns: inputs)", fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     plt.show()
