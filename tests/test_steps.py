@@ -134,7 +134,7 @@ def test_the_demo_trains_the_gpt_with_accumulation_and_shows_its_sample(demo_run
 
 def test_the_demo_trains_the_gpt_on_a_dp2_x_tp2_mesh_with_every_rank_writing_its_shards(demo_run):
     job = demo_run["jobs"]["tensor_parallel.py"]
-    assert job.ok and job.losses[demo.GPT_EPOCHS - 1] < job.losses[0], job.output
+    assert job.ok and job.losses[demo.TP_EPOCHS - 1] < job.losses[0], job.output
     assert "[rank 0/4 | local 0 | cpu] epoch 1 | snapshot saved to tensor_parallel/snapshot" in job.output
     folder = demo_run["run_dir"] / "tensor_parallel"
     assert sorted(path.name for path in (folder / "snapshot").iterdir()) == [

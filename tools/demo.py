@@ -19,8 +19,8 @@ from tools.jobs import (REPO, free_port, machine_summary, output, python, run, s
 from utils.gpt import TEXT_VARIABLE, help_pages  # noqa: E402
 
 EPOCHS, SAVE_EVERY = 5, 2
-GPT_EPOCHS = 2  # on a CPU an epoch of the help pages takes ~15 s on 2 quiet cores: enough to see words appear
-TP_CHARS = 40_000  # step 7 on a CPU: 4 processes share the cores, so it trains on the help pages' first characters
+GPT_EPOCHS = 4  # on a CPU an epoch of the help pages takes ~5 s on 2 quiet cores: 4 are enough to see words appear
+TP_EPOCHS, TP_CHARS = 2, 40_000  # step 7 on a CPU: 4 processes share the cores, so the help pages' start only
 RUN_DIR = REPO / "runs" / "demo"
 GPUS = torch.cuda.device_count()
 
@@ -71,7 +71,7 @@ def main():
     jobs["fsdp.py"] = show("Step 5: FSDP, the model sharded over the ranks", torchrun(
         "fsdp.py", EPOCHS, SAVE_EVERY, nproc="gpu" if GPUS else 2), timeout=args.timeout)
     jobs["gpt.py"] = show("Step 6: a small GPT, 2 micro-batches per optimizer step (no_sync)", torchrun(
-        "gpt.py", GPT_EPOCHS, GPT_EPOCHS, "--grad_accum", 2, "--snapshot_path", "gpt_snapshot.pt",
+        "gpt.py", GPT_EPOCHS, GPT_EPOCHS, "--batch_size", 16, "--grad_accum", 2,
         *(["--precision", "bf16"] if GPUS else []), nproc="gpu" if GPUS else 2), timeout=args.timeout)
     # Step 7: 4 CPU processes (dp 2 x tp 2) on an excerpt, unless a text is set; on GPUs all of them, tp 2 if it fits.
     excerpt = None if GPUS or os.environ.get(TEXT_VARIABLE) else RUN_DIR / "help_excerpt.txt"
@@ -79,7 +79,7 @@ def main():
         excerpt.write_text(help_pages()[:TP_CHARS])
     (RUN_DIR / "tensor_parallel").mkdir()  # its snapshot and full model, apart from step 5's
     jobs["tensor_parallel.py"] = show("Step 7: tensor parallelism and FSDP on a dp x tp mesh (a GPT block split in 2)",
-                                      torchrun("tensor_parallel.py", GPT_EPOCHS, 1, "--tp", 2 if GPUS % 2 == 0 else 1,
+                                      torchrun("tensor_parallel.py", TP_EPOCHS, 1, "--tp", 2 if GPUS % 2 == 0 else 1,
                                                "--snapshot_path", "tensor_parallel/snapshot",
                                                *(["--precision", "bf16"] if GPUS else []), nproc="gpu" if GPUS else 4),
                                       env={TEXT_VARIABLE: excerpt} if excerpt else None, timeout=args.timeout)
