@@ -1,7 +1,7 @@
-"""Step 7, tensor_parallel.py: tensor parallelism (and 2D, FSDP x TP) trains exactly what one process trains; the
-ranks of a tp group take the same batches and the dp groups disjoint ones (recorded); each rank holds 1/tp of every
-split matrix; a killed worker resumes under torchrun, and a snapshot resumes on another layout; bad input stops with
-one line.
+"""Step 7, tensor_parallel.py: tensor parallelism (and 2D, FSDP x TP) trains what one process trains, up to float
+rounding; the ranks of a tp group take the same batches and the dp groups disjoint ones (recorded); each rank holds
+1/tp of every split matrix; a killed worker resumes under torchrun, and a snapshot resumes on another layout; bad
+input stops with one line.
 
 Every job trains the CPU-size GPT on a short excerpt of the help pages ($TUTORIAL_GPT_TEXT): 64 training blocks of
 64 characters, so a global batch of 8 sequences makes 8 optimizer steps an epoch, with dropout 0. One process
@@ -24,7 +24,10 @@ from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, CausalSelfAttention, help
 TEXT_CHARS = 4600  # 90% to train on: 64 blocks of 64 (+1) characters; 7 blocks held out
 GLOBAL_BATCH = 8  # sequences per optimizer step, all dp ranks together
 EPOCHS = 2
-TOLERANCE = 1e-5
+# Equal up to float rounding, which Adam magnifies (it divides each step by the gradients' running magnitude; lr 6e-3):
+# measured here, the recorded losses within 1.8e-5 of one process's and the weights within 9.1e-5 after 16 to 24
+# steps, where one process training other batches (4 per step) ends 0.17 away.
+LOSS_TOLERANCE, WEIGHT_TOLERANCE = 5e-5, 3e-4
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +46,15 @@ def built(text):
     return make_workload("gpt-cpu", text=str(text), dropout=0)
 
 
-@pytest.fixture(scope="module")
-def reference(text):
-    """One process, batch 8, 3 epochs: {epoch: mean loss}, {epochs done: weights}."""
+def train_in_one_process(text, batch_size, epochs):
+    """fsdp.py's loop in one process: ({epoch: mean loss}, {epochs done: weights})."""
     workload = built(text)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the jobs run (2 threads on a busy 2-core machine spin-wait)
-    loader = DataLoader(workload.train_set, batch_size=GLOBAL_BATCH,
+    loader = DataLoader(workload.train_set, batch_size=batch_size,
                         sampler=DistributedSampler(workload.train_set, num_replicas=1, rank=0))
     losses, weights = {}, {}
-    for epoch in range(EPOCHS + 1):
+    for epoch in range(epochs):
         loader.sampler.set_epoch(epoch)
         summed = 0.0
         for source, targets in loader:
@@ -66,6 +68,13 @@ def reference(text):
                               if isinstance(tensor, torch.Tensor)}  # not the text it learns (_extra_state)
     torch.set_num_threads(threads)
     return losses, weights
+
+
+@pytest.fixture(scope="module")
+def reference(text):
+    """One process, batch 8, 3 epochs; and the weights of one that trains other batches (4 per step) for 2."""
+    losses, weights = train_in_one_process(text, GLOBAL_BATCH, EPOCHS + 1)
+    return losses, weights, train_in_one_process(text, GLOBAL_BATCH // 2, EPOCHS)[1][EPOCHS]
 
 
 def job_in(folder, *args, nproc, **options):
@@ -117,39 +126,42 @@ def final_weights(job):
 
 
 def assert_same_weights(actual, expected):
-    """Every weight within TOLERANCE, but the key biases. Their true gradient is 0 (a query's scores against every
-    key shift by the same q.b_k, which softmax ignores), so what moves them is rounding noise, which Adam scales up to
-    learning-rate-sized steps: they only have to stay that small on both sides."""
+    """Every weight within WEIGHT_TOLERANCE, but the key biases. Their true gradient is 0 (a query's scores against
+    every key shift by the same q.b_k, which softmax ignores), so what moves them is rounding noise, which Adam turns
+    into steps of its own: they only have to stay far below a learned bias on both sides (measured: 4.5e-4 at most,
+    where the query biases reach 6e-2)."""
     assert actual.keys() == expected.keys()
     for name, tensor in expected.items():
         if name.endswith("attention.k.bias"):
-            assert actual[name].abs().max() < 1e-4 and tensor.abs().max() < 1e-4, name
+            assert actual[name].abs().max() < 2e-3 and tensor.abs().max() < 2e-3, name
             continue
-        torch.testing.assert_close(actual[name], tensor, rtol=0, atol=TOLERANCE, msg=name)
+        torch.testing.assert_close(actual[name], tensor, rtol=0, atol=WEIGHT_TOLERANCE, msg=name)
 
 
 # --- equal to one process -------------------------------------------------------------------------------------------
 
 def test_dp2_x_tp2_on_4_ranks_trains_what_one_process_does_with_twice_the_batch(two_d, reference):
-    losses, weights = reference
-    assert recorded_losses(two_d) == pytest.approx({e: losses[e] for e in range(EPOCHS)}, abs=TOLERANCE)
+    losses, weights, other_batches = reference
+    assert recorded_losses(two_d) == pytest.approx({e: losses[e] for e in range(EPOCHS)}, abs=LOSS_TOLERANCE)
     assert two_d.losses == pytest.approx({e: losses[e] for e in range(EPOCHS)}, abs=1e-4)  # printed: 4 decimals
     assert_same_weights(final_weights(two_d), weights[EPOCHS])
+    assert max((final_weights(two_d)[name] - tensor).abs().max() for name, tensor in other_batches.items()) > \
+        100 * WEIGHT_TOLERANCE, "the tolerance tells training on these batches from training on others"
 
 
 def test_tp2_alone_trains_what_one_process_does_and_a_killed_worker_resumes_under_torchrun(killed, reference):
-    losses, weights = reference
+    losses, weights, _ = reference
     assert killed.resumes == {1: 1}, killed.output  # restart 1 resumed from the snapshot of epoch 0
     assert [(row["restart"], row["epoch"]) for row in killed.samples if row["rank"] == 0] == [(0, 0), (1, 1)]
-    assert recorded_losses(killed) == pytest.approx({e: losses[e] for e in range(EPOCHS)}, abs=TOLERANCE)
+    assert recorded_losses(killed) == pytest.approx({e: losses[e] for e in range(EPOCHS)}, abs=LOSS_TOLERANCE)
     assert_same_weights(final_weights(killed), weights[EPOCHS])
 
 
 def test_a_dp2_x_tp2_snapshot_resumes_in_one_process_with_tp1_as_one_process_trains(alone, reference):
     """DCP reshards: the 4 ranks' shards load into one process's whole matrices, and training goes on exactly."""
-    losses, weights = reference
+    losses, weights, _ = reference
     assert alone.resumes == {0: EPOCHS} and sorted(alone.losses) == [EPOCHS], alone.output
-    assert recorded_losses(alone) == pytest.approx({EPOCHS: losses[EPOCHS]}, abs=TOLERANCE)
+    assert recorded_losses(alone) == pytest.approx({EPOCHS: losses[EPOCHS]}, abs=LOSS_TOLERANCE)
     assert_same_weights(final_weights(alone), weights[EPOCHS + 1])
 
 
