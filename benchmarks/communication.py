@@ -2,7 +2,7 @@
 same ranks and the same global batch; and the tokens/s each reaches here, in the same run.
 
     python benchmarks/communication.py                    # 4 CPU processes (gloo), the CPU-size GPT
-    python benchmarks/communication.py --size gpu         # nanoGPT's 10.8M-weight size (slow on a CPU: --steps 2)
+    python benchmarks/communication.py --size gpu --nproc 6 --steps 2   # nanoGPT's 10.8M weights, 6 heads (slow)
 
 The N processes (one CPU thread each) train the GPT the way the steps wrap it: DDP(model) (steps 2-4, 6); fully_shard
 on each block and the root (step 5, fsdp.py); tensor_parallel.py's PLAN on each block over a tp group of all N ranks,
@@ -210,9 +210,12 @@ def main():
     parser.add_argument("--chars", default=60_000, type=positive_int, help="Characters of Python's help pages")
     parser.add_argument("--timeout", default=600, type=positive_int, help="Seconds before the run is stopped")
     args = parser.parse_args()
-    if args.nproc % 2 or args.batch_size % args.nproc:
-        sys.exit("error: --nproc must be even (2D is dp 2 x tp nproc/2) and divide --batch_size")
-    from utils.gpt import help_pages
+    from utils.gpt import SIZES, help_pages
+
+    heads = SIZES[args.size].n_head
+    if args.nproc % 2 or args.batch_size % args.nproc or heads % args.nproc:
+        sys.exit(f"error: --nproc must be even (2D is dp 2 x tp nproc/2) and divide --batch_size and the "
+                 f"{args.size}-size GPT's {heads} heads (TP alone splits them over all the processes)")
 
     print(f"{machine_summary()}; {args.nproc} processes, one thread each; the {args.size}-size GPT, "
           f"{args.batch_size} sequences per optimizer step")

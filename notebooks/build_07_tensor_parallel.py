@@ -33,7 +33,7 @@ Generated from the two files in the repository:"""),
     new_code_cell("""show_diff("fsdp.py", "tensor_parallel.py")"""),
     new_markdown_cell("""## Training it: 4 processes, dp 2 × tp 2
 
-The CPU-size GPT (4 heads, 128 wide) on a 4,600-character excerpt of the help pages (64 sequences of 64 characters),
+The CPU-size GPT (4 heads, 64 wide) on a 4,600-character excerpt of the help pages (64 sequences of 64 characters),
 dropout 0, batch 4 per dp rank, 2 epochs, `--verbose`. The job runner records which samples every rank trained on,
 and its place in the mesh."""),
     new_code_cell("""workdir = scratch("tensor_parallel")
@@ -76,11 +76,11 @@ for row in output.slices(job.output):
 
 `benchmarks/communication.py` wraps the same GPT four ways on 4 processes, runs one optimizer step of the same global
 batch under torch's `CommDebugMode` (which sees every collective each rank calls) and weighs every collective's
-buffer. DDP all-reduces the gradients once per step (two buckets here); FSDP all-gathers each block's weights before
-its forward and again before its backward, and reduce-scatters its gradients; TP all-reduces *activations* twice per
-block in the forward and twice in the backward, on the critical path of every layer; 2D does both, each over its own
-group. Its tokens/s here say little: 4 processes share 2 cores (see the load average)."""),
-    new_code_cell("""quick = ["--steps", 1, "--rounds", 1, "--chars", 20000]  # the counts need one step; the timings more
+buffer. DDP all-reduces the gradients once per step (in buckets: one, for a model this small); FSDP all-gathers each
+block's weights before its forward and again before its backward, and reduce-scatters its gradients; TP all-reduces
+*activations* twice per block in the forward and twice in the backward, on the critical path of every layer; 2D does
+both, each over its own group. Its tokens/s here say little: 4 processes share 2 cores (see the load average)."""),
+    new_code_cell("""quick = ["--steps", 1, "--rounds", 1, "--chars", 20000]  # the counts need one step, timings more
 bench = run([PYTHON, script("benchmarks/communication.py"), *quick], cwd=workdir, timeout=300)
 print(bench.output)"""),
     new_code_cell("""# NBVAL_CHECK_OUTPUT

@@ -110,8 +110,8 @@ def format_slices(everyone):
     def shape(dims):
         return "x".join(map(str, dims))
 
-    lines = ["slices: what each rank holds of each matrix of a block (full shape -> its tp slice, which it computes "
-             "with -> what it stores: the tp slice split again over dp)",
+    lines = ["slices: each rank's part of every matrix of a block (full -> the tp slice it computes with -> what it "
+             "stores)",
              f"{'rank':>4} {'dp':>3} {'tp':>3}  {'matrix':<24} {'full':>9} {'tp slice':>9} {'stored':>9} {'KiB':>8}"]
     for row in everyone:
         for name, full, sliced, stored, size in row["rows"]:
