@@ -145,10 +145,11 @@ def test_a_scheduler_stepped_per_micro_batch_shows_in_the_learning_rates(tmp_pat
 
 def test_starting_file_5_splits_the_data_over_every_rank_and_the_checker_says_so(tmp_path):
     problems = checked(5, REPO / STARTS[5], tmp_path)
-    assert re.fullmatch(r"ranks 0 and 1 form a tp group \(dp 0: they compute one model together, each with 1/2 of every "
-                        r"block's heads\) but trained on different samples in epoch 0, .* each rank trained on its "
-                        r"own 1/4 of the data \(16 of 64 samples\), as a DistributedSampler over all 4 ranks \(the "
-                        r"global rank\) deals it\. Give the sampler the dp group's size and rank: .*", problems), problems
+    assert re.fullmatch(r"ranks 0 and 1 form a tp group \(dp 0: they compute one model together, each with 1/2 of "
+                        r"every block's heads\) but trained on different samples in epoch 0, .* each rank trained on "
+                        r"its own 1/4 of the data \(16 of 64 samples\), as a DistributedSampler over all 4 ranks "
+                        r"\(the global rank\) deals it\. Give the sampler the dp group's size and rank: .*",
+                        problems), problems
 
 
 def test_the_2d_verdicts_name_overlapping_dp_groups_a_missing_mesh_and_a_wrong_loss():

@@ -138,7 +138,7 @@ def assert_same_weights(actual, expected):
         torch.testing.assert_close(actual[name], tensor, rtol=0, atol=WEIGHT_TOLERANCE, msg=name)
 
 
-# --- equal to one process -------------------------------------------------------------------------------------------
+# --- equal to one process ---------------------------------------------------------------------------------------------
 
 def test_dp2_x_tp2_on_4_ranks_trains_what_one_process_does_with_twice_the_batch(two_d, reference):
     losses, weights, other_batches = reference
@@ -165,7 +165,7 @@ def test_a_dp2_x_tp2_snapshot_resumes_in_one_process_with_tp1_as_one_process_tra
     assert_same_weights(final_weights(alone), weights[EPOCHS + 1])
 
 
-# --- who trains on what, who holds what ---------------------------------------------------------------------------------
+# --- who trains on what, who holds what -------------------------------------------------------------------------------
 
 def test_the_ranks_of_a_tp_group_train_on_the_same_batches_and_the_dp_groups_on_disjoint_halves(two_d):
     rows = two_d.samples
@@ -250,7 +250,7 @@ def test_attention_split_megatron_style_by_hand_sums_to_the_whole(text):
                                    atol=1e-6)
 
 
-# --- precision, bad input -----------------------------------------------------------------------------------------------
+# --- precision, bad input ---------------------------------------------------------------------------------------------
 
 def test_bf16_on_the_cpu_tracks_fp32(tmp_path, text, reference):
     """One process, --tp 1, one epoch in bf16 (FSDP's MixedPrecisionPolicy: bf16 compute, fp32 shards)."""
@@ -289,7 +289,7 @@ def test_an_option_it_cannot_run_stops_with_one_line_before_anything_starts(monk
     assert re.search(rf"tensor_parallel.py: error: argument {option}: ", capsys.readouterr().err.splitlines()[-1])
 
 
-# --- GPUs -----------------------------------------------------------------------------------------------------------
+# --- GPUs -------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
 def test_bf16_tensor_parallelism_trains_on_the_gpus_there_are(tmp_path):

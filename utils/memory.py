@@ -1,4 +1,5 @@
-"""Memory per rank, gathered into one table: what `fsdp.py --verbose` prints at the start, after each epoch, at the end.
+"""Memory per rank, gathered into one table: what `fsdp.py --verbose` prints at the start, after each epoch, at the end;
+and, for `tensor_parallel.py --verbose`, the part of every matrix of a block that each rank holds (log_slices).
 
 Two kinds of numbers per rank:
 - the memory of its device: on a GPU, what the CUDA allocator holds now and at its peak on the process's own GPU

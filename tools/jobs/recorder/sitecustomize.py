@@ -8,9 +8,10 @@ changed; without the variables nothing happens.
   - samples.jsonl: a JSON line per completed pass over a DataLoader: the process, its rank, torchrun's restart
     count, the sampler's class and epoch (its set_epoch value), the pass's number in this process, whether the model
     was wrapped in DDP, `mesh` (this rank's coordinates in the named DeviceMesh init_device_mesh made, e.g.
-    {"dp": 1, "tp": 0}; None without one), and the sample indices in the order the process trained on them. Overlapping shards, a
-    shuffle that never changes, a resume that repeats an epoch: all show in it. (A BatchSampler is what every
-    DataLoader with a batch size iterates over, so patching its __iter__ sees every batch of every step.)
+    {"dp": 1, "tp": 0}; None without one), and the sample indices in the order the process trained on them.
+    Overlapping shards, a shuffle that never changes, a resume that repeats an epoch: all show in it. (A BatchSampler
+    is what every DataLoader with a batch size iterates over, so patching its __iter__ sees every batch of every
+    step.)
 - JOB_RECORD_STEPS=1 (with JOB_RECORD_DIR): steps.jsonl, a JSON line per optimizer step: the process, its rank,
   torchrun's restart count, the step's number in this process, the learning rate it used (the first param group's),
   and the gradient all-reduces since the step before: `rounds` (DDP all-reduces its buckets once per backward that
