@@ -85,9 +85,9 @@ def counting_mode(groups):
     return WeighingCommDebugMode()
 
 
-def wrapped(layout, world_size):
-    """The CPU-size or GPU-size GPT wrapped as `layout`, its optimizer, the mesh's group names, and the global batch
-    share of each rank (a number of dp ranks)."""
+def wrapped(layout, world_size, size, text_path):
+    """The GPT of `size` ("cpu" or "gpu"; dropout 0) wrapped as `layout`: (its workload, the wrapped model, its
+    optimizer, {group name: (label, ranks)}, the number of dp ranks)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -97,7 +97,7 @@ def wrapped(layout, world_size):
     from tensor_parallel import PLAN
     from utils import make_workload
 
-    workload = make_workload(os.environ["BENCH_WORKLOAD"])
+    workload = make_workload(f"gpt-{size}", text=text_path, dropout=0)
     model, groups = workload.model, {dist.group.WORLD.group_name: ("all", world_size)}
     if layout == "DDP":
         return workload, DDP(model), workload.optimizer, groups, world_size
@@ -115,17 +115,14 @@ def worker(rank, world_size, args, text_path, result_path):
     import torch
     import torch.distributed as dist
 
-    from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE
-
     torch.set_num_threads(1)
     # Under CommDebugMode's module tracker FSDP warns that a block returns a view (a linear layer's 3-D output is
     # one): no in-place operation follows, so nothing is lost.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    os.environ.update({TEXT_VARIABLE: text_path, DROPOUT_VARIABLE: "0", "BENCH_WORKLOAD": f"gpt-{args.size}"})
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout))
     runs = {}
     for layout in LAYOUTS:
-        workload, model, optimizer, groups, dp = wrapped(layout, world_size)
+        workload, model, optimizer, groups, dp = wrapped(layout, world_size, args.size, text_path)
         share = args.batch_size // dp  # sequences per rank; the ranks of a tp group take the same ones
         start = (rank // (world_size // dp)) * share
         source, targets = (t[start:start + share] for t in workload.train_set[:args.batch_size])
