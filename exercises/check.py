@@ -4,6 +4,7 @@
     python exercises/check.py 2 my_restart.py    # 2. survive a kill: snapshot and resume under torchrun
     python exercises/check.py 3 my_nodes.py      # 3. two nodes: one writer, and every node resumes alike
     python exercises/check.py 4 my_accum.py      # 4. gradient accumulation with no_sync (the GPT of step 6)
+    python exercises/check.py 5 my_2d.py         # 5. 2D parallelism: the data split over dp, not every rank
 
 It prints what is missing or wrong, in the exercise's terms and with the line to change, and exits 0 only when
 everything is right. It judges what the processes did, not how the script is written: the samples each rank trained
@@ -30,7 +31,7 @@ from tools.jobs import PYTHON, free_port, run, saved_name, shown, torchrun, torc
 from tools.jobs.output import epoch_losses  # noqa: E402
 from utils import make_workload  # noqa: E402
 
-EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes", 4: "4_grad_accum"}
+EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes", 4: "4_grad_accum", 5: "5_tensor_parallel"}
 WORLD_SIZE = 2
 COLLECTIVE_TIMEOUT_S = 60  # passed as --timeout: a stuck collective fails instead of hanging forever (slow starts pass)
 KILLED_EPOCH = 2  # exercise 2 kills rank 1 as it begins this epoch
@@ -543,7 +544,98 @@ def check_grad_accum(script, workdir, say):
     return accumulation_problems([step for step in job.steps if step["rank"] == 0], accumulation_reference(text))
 
 
-CHECKS = {1: check_ddp, 2: check_resume, 3: check_two_nodes, 4: check_grad_accum}
+# --- exercise 5: 2D parallelism, dp 2 x tp 2 (self-contained: its own job, records and reference) -------------------
+
+TP_NPROC, TP_SIZE, TP_BATCH, TP_EPOCHS = 4, 2, 4, 2  # processes, --tp, batch per dp rank, epochs
+TP_TEXT_CHARS = 4600  # a short excerpt of the help pages: 64 training blocks, 8 optimizer steps an epoch
+
+
+def two_d_reference(text):
+    """{epoch: mean loss} of one process training the GPT (dropout 0) as tensor_parallel.py's loop does (AdamW, no
+    schedule) with the global batch of the 2 dp ranks, over the samples in their order: what a correct run computes."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    workload = make_workload("gpt-cpu", text=str(text), dropout=0)
+    sampler = DistributedSampler(workload.train_set, num_replicas=1, rank=0)
+    loader = DataLoader(workload.train_set, batch_size=TP_BATCH * TP_NPROC // TP_SIZE, sampler=sampler)
+    losses = {}
+    for epoch in range(TP_EPOCHS):
+        sampler.set_epoch(epoch)
+        summed = 0.0
+        for source, targets in loader:
+            workload.optimizer.zero_grad(set_to_none=True)
+            loss = workload.loss_fn(workload.model(source), targets)
+            loss.backward()
+            workload.optimizer.step()
+            summed += loss.item() * len(source)
+        losses[epoch] = summed / len(sampler)
+    return losses, len(workload.train_set)
+
+
+def two_d_problems(samples, reference):
+    """The ranks of a tp group (the same "dp" coordinate of the mesh) must train on the same batches, the dp groups on
+    disjoint parts that cover the data; then each epoch's loss must be what one process computes."""
+    losses, dataset_size = reference
+    if not samples:
+        return ["it never trained: no process iterated over a DataLoader"]
+    if any(row.get("mesh") is None for row in samples):
+        return ['no rank made a named device mesh: init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", '
+                '"tp")) gives every rank its place in the dp x tp grid']
+    for (restart, number), rows in sorted(epochs_of(samples).items()):
+        epoch = f"epoch {number}" + (f" after restart {restart}" if restart else "")
+        groups = {}
+        for rank, row in sorted(rows.items()):
+            groups.setdefault(row["mesh"]["dp"], []).append(row)
+        for dp, (first, *others) in sorted(groups.items()):
+            for other in (other for other in others if other["indices"] != first["indices"]):
+                share = len(first["indices"])
+                split = (f"each rank trained on its own 1/{TP_NPROC} of the data ({share} of {dataset_size} "
+                         f"samples), as a DistributedSampler over all {TP_NPROC} ranks (the global rank) deals it. "
+                         if share * TP_NPROC <= dataset_size + TP_NPROC else "")
+                return [f"ranks {first['rank']} and {other['rank']} form a tp group (dp {dp}: they compute one model "
+                        f"together, each with 1/{len(others) + 1} of every block's heads) but trained on different "
+                        f"samples in {epoch}, so every step added up two batches' activations: {split}Give the "
+                        "sampler the dp group's size and rank: DistributedSampler(dataset, "
+                        "num_replicas=dp_mesh.size(), rank=dp_mesh.get_local_rank()), so the ranks of a tp group "
+                        "get the same batches"]
+        shares = {dp: set(members[0]["indices"]) for dp, members in groups.items()}
+        for (dp_a, a), (dp_b, b) in itertools.combinations(sorted(shares.items()), 2):
+            if len(a & b) > len(shares):  # DistributedSampler pads by < dp samples to even out the shards
+                return [f"the dp groups {dp_a} and {dp_b} trained on the same samples in {epoch} ({len(a & b)} of "
+                        f"{len(a)}): each dp rank must get its own 1/{len(shares)} of the data: "
+                        "DistributedSampler(dataset, num_replicas=dp_mesh.size(), rank=dp_mesh.get_local_rank())"]
+        unseen = dataset_size - len(set().union(*shares.values()))
+        if unseen > 0:
+            return [f"no rank trained on {unseen} of the {dataset_size} samples in {epoch}: together the dp groups "
+                    "must cover the whole dataset"]
+    for epoch, expected in losses.items():
+        own = [row["loss"] for row in samples if row["epoch"] == epoch and row.get("loss") is not None]
+        if own and abs(sum(own) / len(own) - expected) > LOSS_TOLERANCE:
+            return [f"epoch {epoch}'s loss, averaged over the ranks, is {sum(own) / len(own):.4f}, but one process "
+                    f"training on the same samples computes {expected:.4f}: the ranks do not compute what the model "
+                    "computes (the tensor-parallel plan, or the way the data reaches the ranks)"]
+    return []
+
+
+def check_two_d(script, workdir, say):
+    """Exercise 5: 4 ranks, --tp 2 (dp 2 x tp 2), dropout 0, on a short text; the samples each rank trained on and
+    their losses recorded."""
+    from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
+
+    text = workdir / "text.txt"
+    text.write_text(help_pages()[:TP_TEXT_CHARS])
+    cmd = [*torchrun(script, TP_EPOCHS, TP_EPOCHS, nproc=TP_NPROC), "--tp", TP_SIZE, "--workload", "gpt-cpu",
+           "--batch_size", TP_BATCH, "--timeout", COLLECTIVE_TIMEOUT_S]
+    say(f"running: {shown(cmd)}   (dp 2 x tp 2, dropout 0, on {TP_TEXT_CHARS:,} characters of Python's help pages)")
+    job = run(cmd, cwd=workdir, logs=workdir / "records", record=True, timeout=180, check=False,
+              env={TEXT_VARIABLE: text, DROPOUT_VARIABLE: 0})
+    job.limit = 180
+    problems = two_d_problems(job.samples, two_d_reference(text)) if job.samples else []
+    return problems or exit_problems(job, script)
+
+
+CHECKS = {1: check_ddp, 2: check_resume, 3: check_two_nodes, 4: check_grad_accum, 5: check_two_d}
 
 
 def check(number, script, workdir, say=lambda line: None):
@@ -565,8 +657,8 @@ def main():
         print(f"  ✗ {problem}")
     if problems:
         sys.exit(f"{len(problems)} problem(s). Hints: exercises/{EXERCISES[args.exercise]}/hints.md")
-    print(f"  ✓ all checks passed. Compare with the repository's step: "
-          f"{['multigpu.py', 'multigpu_torchrun.py', 'multinode.py', 'gpt.py'][args.exercise - 1]}")
+    solutions = ["multigpu.py", "multigpu_torchrun.py", "multinode.py", "gpt.py", "tensor_parallel.py"]
+    print(f"  ✓ all checks passed. Compare with the repository's step: {solutions[args.exercise - 1]}")
 
 
 if __name__ == "__main__":

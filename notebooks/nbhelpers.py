@@ -18,8 +18,8 @@ from IPython.display import Markdown, display  # noqa: E402
 from tools.jobs import output, shown  # noqa: E402
 from tools.stepdiff import changed_lines, step_diff  # noqa: E402
 
-__all__ = ["print_job", "plot_layout", "plot_losses", "plot_memory", "plot_shards", "plot_timeline", "scratch",
-           "shard_facts", "show_code", "show_diff"]
+__all__ = ["print_job", "plot_layout", "plot_losses", "plot_memory", "plot_mesh", "plot_shards", "plot_slices",
+           "plot_timeline", "scratch", "shard_facts", "show_code", "show_diff"]
 RANK_COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
 
 
@@ -201,3 +201,63 @@ def plot_memory(jobs, stage="end"):
     ax.grid(axis="y", alpha=0.3)
     plt.show()
 
+
+
+def plot_mesh(job, epoch=0, show=6):
+    """The ranks of a tensor-parallel job in their mesh (recorded: each rank's dp and tp coordinates), each with the
+    first `show` samples it trained on in `epoch`: along a row (a tp group) the same, down a column different."""
+    rows = [row for row in job.samples if row["epoch"] == epoch and row.get("mesh")]
+    dp_size = 1 + max(row["mesh"]["dp"] for row in rows)
+    tp_size = 1 + max(row["mesh"]["tp"] for row in rows)
+    fig, ax = plt.subplots(figsize=(2.9 * tp_size + 1.6, 1.25 * dp_size + 0.9))
+    for row in rows:
+        dp, tp = row["mesh"]["dp"], row["mesh"]["tp"]
+        ax.add_patch(plt.Rectangle((tp * 3, -dp * 1.3), 2.7, 1.0, color=RANK_COLORS[tp % 4], alpha=0.3))
+        ax.text(tp * 3 + 1.35, -dp * 1.3 + 0.5, f"rank {row['rank']}  (dp {dp}, tp {tp})\nsamples "
+                + ", ".join(map(str, row["indices"][:show])) + ", ...", ha="center", va="center", fontsize=8)
+    for dp in range(dp_size):
+        ax.text(tp_size * 3 - 0.1, -dp * 1.3 + 0.5, f"tp group {dp}:\none model,\nthe same batches", fontsize=8,
+                va="center")
+    ax.set(xlim=(-0.2, tp_size * 3 + 1.6), ylim=(-(dp_size - 1) * 1.3 - 0.2, 1.2))
+    ax.set_title(f"The mesh: dp {dp_size} x tp {tp_size}; down a column (a dp group), different data (epoch {epoch})",
+                 fontsize=10)
+    ax.axis("off")
+    plt.show()
+
+
+def plot_slices(job, heads=None):
+    """What each rank holds of every matrix of a block (`tensor_parallel.py --verbose`'s slices table): each matrix
+    drawn to its shape (rows: its outputs, columns: its inputs), coloured by the tp rank that computes with that part;
+    the lighter band of each part is what its other dp rank stores (FSDP splits every tp slice once more). With
+    `heads` (the model's), the row slices of q, k and v are labelled with the heads they compute."""
+    from tools.jobs.output import slices
+
+    rows = slices(job.output)
+    matrices = list(dict.fromkeys(row["matrix"] for row in rows))
+    fig, axes = plt.subplots(1, len(matrices), figsize=(2.1 * len(matrices), 3.4))
+    for ax, name in zip(axes, matrices):
+        mine = [row for row in rows if row["matrix"] == name]
+        out_features, in_features = mine[0]["full"]
+        tp_size = max(row["tp"] for row in mine) + 1
+        for row in mine:
+            split_rows = row["tp_slice"][0] < out_features
+            height, width = row["tp_slice"]
+            top, left = (row["tp"] * height, 0) if split_rows else (0, row["tp"] * width)
+            stored = row["stored"][0]  # FSDP splits the slice's first dimension over dp
+            ax.add_patch(plt.Rectangle((left, top + row["dp"] * stored), width, stored, lw=0.5, ec="white",
+                                       color=RANK_COLORS[row["tp"] % 4], alpha=0.8 if row["dp"] == 0 else 0.35))
+            if heads and row["dp"] == 0 and name.split(".")[1] in ("q", "k", "v"):
+                first = row["tp"] * heads // tp_size
+                ax.text(width / 2, top + height / 2, f"heads {first}-{first + heads // tp_size - 1}", ha="center",
+                        va="center", fontsize=7)
+        ax.set(xlim=(0, in_features), ylim=(out_features, 0), aspect="equal", xticks=[], yticks=[])
+        ax.set_title(f"{name.rsplit('.', 1)[0]}\n{out_features} x {in_features}", fontsize=9)
+    axes[0].set_ylabel("outputs (rows)")
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=RANK_COLORS[tp % 4], alpha=alpha,
+                                      label=f"tp {tp}, stored by dp {dp}")
+                        for tp in sorted({row["tp"] for row in rows}) for dp, alpha in ((0, 0.8), (1, 0.35))
+                        if any(row["dp"] == dp for row in rows)],
+               loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle("Which rank holds which part of each matrix of a block (rows: outputs, columns: inputs)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    plt.show()

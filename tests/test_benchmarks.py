@@ -89,6 +89,24 @@ def test_gpt_scaling_compares_ddp_with_the_ceiling_for_each_grad_accum(tmp_path,
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
+def test_communication_counts_each_layouts_collectives_per_optimizer_step(monkeypatch, capsys):
+    """4 processes, the CPU-size GPT (2 blocks): TP all-reduces activations twice per block in the forward (after
+    attention and after the MLP) and twice in the backward (at their inputs); FSDP gathers each of its 4 units
+    (embedding, 2 blocks, head) before the forward and the backward and reduce-scatters them; DDP only all-reduces."""
+    text = run_benchmark(monkeypatch, capsys, "communication.py", "--steps", 1, "--rounds", 1, "--chars", 20000)
+    rows = {row[0]: row[1:] for row in re.findall(r"^\| (\w+) \| (dp \d x tp \d) \| (.+?) \| (.+?) \| ([\d,]+) \|$",
+                                                   text, re.M)}
+    assert list(rows) == ["DDP", "FSDP", "TP", "2D"], text
+    assert [mesh for mesh, *_ in rows.values()] == ["dp 4 x tp 1", "dp 4 x tp 1", "dp 1 x tp 4", "dp 2 x tp 2"]
+    assert re.fullmatch(r"\d all-reduce over all \(bwd\)", rows["DDP"][1]), rows["DDP"]
+    fsdp = "4 all-gather over dp (fwd), 4 all-gather over dp (bwd), 4 reduce-scatter over dp (bwd)"
+    tp = "4 all-reduce over tp (fwd), 4 all-reduce over tp (bwd)"
+    assert rows["FSDP"][1] == fsdp and rows["TP"][1] == tp
+    assert rows["2D"][1] == ("4 all-gather over dp (fwd), 4 all-reduce over tp (fwd), 4 all-gather over dp (bwd), "
+                             "4 all-reduce over tp (bwd), 4 reduce-scatter over dp (bwd)")
+    assert re.fullmatch(r"[\d.]+ \(dp\) \+ [\d.]+ \(tp\)", rows["2D"][2]), rows["2D"]
+
+
 def test_pipeline_bubble_measures_each_schedule_against_the_formula_and_draws_a_step(tmp_path, monkeypatch, capsys):
     """The recorder's timings of the stages' passes become the table; the held activations need no timing at all:
     GPipe holds all M micro-batches at stage 0, 1F1B at most the 2 stages'."""

@@ -8,9 +8,9 @@ import pytest
 from exercises.check import check
 from tools.jobs import PYTHON, REPO, run, script
 
-STEPS = {1: "multigpu.py", 2: "multigpu_torchrun.py", 3: "multinode.py", 4: "gpt.py"}
+STEPS = {1: "multigpu.py", 2: "multigpu_torchrun.py", 3: "multinode.py", 4: "gpt.py", 5: "tensor_parallel.py"}
 STARTS = {1: "exercises/1_ddp/start.py", 2: "exercises/2_survive_a_kill/start.py", 3: "exercises/3_two_nodes/start.py",
-          4: "exercises/4_grad_accum/start.py"}
+          4: "exercises/4_grad_accum/start.py", 5: "exercises/5_tensor_parallel/start.py"}
 
 
 @pytest.mark.parametrize("number", sorted(STEPS))
@@ -139,6 +139,39 @@ def test_a_scheduler_stepped_per_micro_batch_shows_in_the_learning_rates(tmp_pat
     assert re.fullmatch(r"optimizer step \d+ used learning rate \S+, expected \S+: the warm-up \+ cosine schedule "
                         r"counts optimizer steps, so call scheduler.step\(\) once per optimizer step \(after the "
                         r"last micro-batch\), not once per micro-batch", problems), problems
+
+
+# --- exercise 5: 2D parallelism (a 4-process run, dp 2 x tp 2, of 16 optimizer steps on a short text) ----------------
+
+def test_starting_file_5_splits_the_data_over_every_rank_and_the_checker_says_so(tmp_path):
+    problems = checked(5, REPO / STARTS[5], tmp_path)
+    assert re.fullmatch(r"ranks 0 and 1 form a tp group \(dp 0: they compute one model together, each with 1/2 of "
+                        r"every block's heads\) but trained on different samples in epoch 0, .* each rank trained on "
+                        r"its own 1/4 of the data \(16 of 64 samples\), as a DistributedSampler over all 4 ranks "
+                        r"\(the global rank\) deals it\. Give the sampler the dp group's size and rank: .*",
+                        problems), problems
+
+
+def test_the_2d_verdicts_name_overlapping_dp_groups_a_missing_mesh_and_a_wrong_loss():
+    """The judge of exercise 5 on records made up here (no processes): 4 ranks, dp 2 x tp 2, 8 samples."""
+    from exercises.check import two_d_problems
+
+    def rows(indices_by_rank, loss=1.0, mesh=True):
+        return [dict(rank=rank, restart=0, number=0, epoch=0, loss=loss, indices=indices,
+                     mesh=dict(dp=rank // 2, tp=rank % 2) if mesh else None)
+                for rank, indices in enumerate(indices_by_rank)]
+
+    reference = ({0: 1.0}, 8)
+    halves = [[0, 2, 4, 6], [0, 2, 4, 6], [1, 3, 5, 7], [1, 3, 5, 7]]
+    assert two_d_problems(rows(halves), reference) == []
+    everything = [list(range(8))] * 4  # no sampler split at all
+    assert two_d_problems(rows(everything), reference)[0].startswith(
+        "the dp groups 0 and 1 trained on the same samples in epoch 0 (8 of 8): each dp rank must get its own 1/2")
+    assert two_d_problems(rows(halves, mesh=False), reference)[0].startswith("no rank made a named device mesh")
+    assert two_d_problems(rows(halves, loss=1.5), reference) == [
+        "epoch 0's loss, averaged over the ranks, is 1.5000, but one process training on the same samples computes "
+        "1.0000: the ranks do not compute what the model computes (the tensor-parallel plan, or the way the data "
+        "reaches the ranks)"]
 
 
 # Seeded mistakes: (exercise, edits to its solution, one pattern per verdict the checker must print, and no other).

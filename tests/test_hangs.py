@@ -36,3 +36,22 @@ def test_a_rank_that_skips_a_collective_makes_the_others_fail_within_the_timeout
     assert f"Timed out waiting {timeout * 1000}ms" in job.output or "Watchdog caught collective operation timeout" \
         in job.output, job.output[-3000:]  # gloo's words, then NCCL's
     assert "epoch 0 |" not in job.output, "rank 0 must not report an epoch whose loss it could not reduce"
+
+
+def test_a_rank_stuck_in_a_2d_job_makes_the_others_fail_within_the_timeout_of_the_meshs_groups(tmp_path):
+    """tensor_parallel.py, dp 2 x tp 2: rank 1 skips its third all_reduce (epoch 0's loss, over its dp group of ranks 1
+    and 3) and sleeps 120 s before it makes it. Its peers then wait in the groups init_device_mesh made for the
+    mesh's dimensions (rank 3 in dp; ranks 0 and 2 in tp, at the next step), whose own default timeout is 30 minutes
+    on gloo: without the job's --timeout on them (utils.mesh_with_timeout) they wait for rank 1, and the job goes on."""
+    from utils.gpt import TEXT_VARIABLE, help_pages
+
+    timeout = 5
+    (tmp_path / "text.txt").write_text(help_pages()[:4600])  # 64 sequences: 8 optimizer steps an epoch
+    command = torchrun("tensor_parallel.py", 3, 3, "--tp", 2, "--workload", "gpt-cpu", "--batch_size", 4,
+                       "--timeout", timeout, nproc=4)
+    with start(command, cwd=tmp_path, env={TEXT_VARIABLE: tmp_path / "text.txt"}, skip_all_reduce=(1, 3)) as job:
+        job.wait_for(r"rank 1 skips its all_reduce number 3", timeout=STARTUP)
+        [code] = job.wait(timeout=timeout + STARTUP)  # well before rank 1 wakes up
+    assert code is not None and code != 0, job.output[-3000:]
+    assert f"Timed out waiting {timeout * 1000}ms" in job.output, job.output[-3000:]
+    assert "epoch 2 |" not in job.output, "no rank trains on past a peer that never came"

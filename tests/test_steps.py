@@ -132,6 +132,18 @@ def test_the_demo_trains_the_gpt_with_accumulation_and_shows_its_sample(demo_run
     assert_one_writer(job.writes, demo_run["run_dir"] / "gpt_snapshot.pt")
 
 
+def test_the_demo_trains_the_gpt_on_a_dp2_x_tp2_mesh_with_every_rank_writing_its_shards(demo_run):
+    job = demo_run["jobs"]["tensor_parallel.py"]
+    assert job.ok and job.losses[demo.TP_EPOCHS - 1] < job.losses[0], job.output
+    assert "[rank 0/4 | local 0 | cpu] epoch 1 | snapshot saved to tensor_parallel/snapshot" in job.output
+    folder = demo_run["run_dir"] / "tensor_parallel"
+    assert sorted(path.name for path in (folder / "snapshot").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"], "every rank wrote its shards"
+    assert [rank for _, rank, _ in job.writes] == [0] and (folder / "model_full.pt").exists()
+    assert {row["rank"]: row["mesh"] for row in job.samples if row["epoch"] == 0} == {
+        0: {"dp": 0, "tp": 0}, 1: {"dp": 0, "tp": 1}, 2: {"dp": 1, "tp": 0}, 3: {"dp": 1, "tp": 1}}
+
+
 def test_the_demo_trains_the_gpt_in_two_pipeline_stages_each_saving_its_own(demo_run):
     job = demo_run["jobs"]["pipeline_parallel.py"]
     assert job.ok and sorted(job.losses) == [0] and output.samples(job.output), job.output

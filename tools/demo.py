@@ -5,6 +5,7 @@ printed, then a summary of the loss each step started and ended with. Every step
 runs past --timeout stops the demo with a line that names it and where its log is.
 """
 import argparse
+import os
 import shutil
 import sys
 import time
@@ -15,9 +16,11 @@ import torch  # noqa: E402
 
 from tools.jobs import (REPO, free_port, machine_summary, output, python, run, shown, torchrun,  # noqa: E402
                         torchrun_node)
+from utils.gpt import TEXT_VARIABLE, help_pages  # noqa: E402
 
 EPOCHS, SAVE_EVERY = 5, 2
 GPT_EPOCHS = 4  # on a CPU an epoch of the help pages takes ~5 s on 2 quiet cores: 4 are enough to see words appear
+TP_EPOCHS, TP_CHARS = 2, 40_000  # step 7 on a CPU: 4 processes share the cores, so the help pages' start only
 RUN_DIR = REPO / "runs" / "demo"
 GPUS = torch.cuda.device_count()
 
@@ -27,15 +30,15 @@ def where(path):
     return path.relative_to(REPO) if path.is_relative_to(REPO) else path
 
 
-def show(title, *commands, timeout, narrated=False, **options):
+def show(title, *commands, timeout, narrated=False, env=None, **options):
     """Run the commands side by side (one per node) as a learner would (all cores: no OMP_NUM_THREADS of ours), echo
-    them and the steps' own lines (a narrated demo's lines all); the finished job."""
+    them (with the variables `env` sets) and the steps' own lines (a narrated demo's lines all); the finished job."""
     print(f"\n=== {title}", flush=True)
     for command in commands:
-        print("$", shown(command), flush=True)
+        print("$", *(f"{name}={where(Path(value))}" for name, value in (env or {}).items()), shown(command), flush=True)
     name = Path(next(part for part in commands[0] if str(part).endswith(".py"))).stem
     job = run(*commands, cwd=RUN_DIR, logs=RUN_DIR / name, gpu=True, timeout=timeout, check=False,
-              env={"OMP_NUM_THREADS": None}, **options)
+              env={"OMP_NUM_THREADS": None, **(env or {})}, **options)
     print(job.output.rstrip() if narrated else "\n".join(output.own_lines(job.output)), flush=True)
     if not job.ok:
         why = f"still running after {timeout} s" if job.timed_out else f"exit codes {job.codes}"
@@ -70,6 +73,16 @@ def main():
     jobs["gpt.py"] = show("Step 6: a small GPT, 2 micro-batches per optimizer step (no_sync)", torchrun(
         "gpt.py", GPT_EPOCHS, GPT_EPOCHS, "--batch_size", 16, "--grad_accum", 2,
         *(["--precision", "bf16"] if GPUS else []), nproc="gpu" if GPUS else 2), timeout=args.timeout)
+    # Step 7: 4 CPU processes (dp 2 x tp 2) on an excerpt, unless a text is set; on GPUs all of them, tp 2 if it fits.
+    excerpt = None if GPUS or os.environ.get(TEXT_VARIABLE) else RUN_DIR / "help_excerpt.txt"
+    if excerpt:
+        excerpt.write_text(help_pages()[:TP_CHARS])
+    (RUN_DIR / "tensor_parallel").mkdir()  # its snapshot and full model, apart from step 5's
+    jobs["tensor_parallel.py"] = show("Step 7: tensor parallelism and FSDP on a dp x tp mesh (a GPT block split in 2)",
+                                      torchrun("tensor_parallel.py", TP_EPOCHS, 1, "--tp", 2 if GPUS % 2 == 0 else 1,
+                                               "--snapshot_path", "tensor_parallel/snapshot",
+                                               *(["--precision", "bf16"] if GPUS else []), nproc="gpu" if GPUS else 4),
+                                      env={TEXT_VARIABLE: excerpt} if excerpt else None, timeout=args.timeout)
     # One epoch of the help pages: each stage runs every batch through its half of the model.
     jobs["pipeline_parallel.py"] = show("Step 8: the GPT in 2 pipeline stages, 4 micro-batches each (1F1B)", torchrun(
         "pipeline_parallel.py", 1, 1, *(["--precision", "bf16"] if GPUS else []),

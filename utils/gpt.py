@@ -144,25 +144,35 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Each position mixes in the positions before it (never after: the next character must not leak in)."""
+    """Each position mixes in the positions before it (never after: the next character must not leak in).
+
+    Queries, keys and values come from three matrices, not one fused (C, 3C) one, and the number of heads is read off
+    the shape of the queries: so tensor_parallel.py can split each matrix column-wise (Megatron-style), and a rank
+    holding 1/N of the columns computes n_head/N whole heads. Unsplit, it computes what a fused matrix would (one
+    fused matrix multiply is three of these side by side; the initial weights are drawn in the same order too).
+    """
 
     def __init__(self, config):
         super().__init__()
         assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
-        self.n_head = config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)  # queries, keys and values in one matrix multiply
+        self.head_size = config.n_embd // config.n_head
+        self.q = nn.Linear(config.n_embd, config.n_embd)  # what each position looks for
+        self.k = nn.Linear(config.n_embd, config.n_embd)  # what it offers to be found by
+        self.v = nn.Linear(config.n_embd, config.n_embd)  # what it passes on when found
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.attention_dropout = config.dropout  # on the attention weights, inside the fused kernel
         self.dropout = nn.Dropout(config.dropout)  # on the output
 
     def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        B, T, _ = x.shape
+        # (B, T, C) each, or (B, T, C/N) on a rank that holds 1/N of the heads: the heads are counted, not assumed
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        heads = q.shape[-1] // self.head_size
+        q, k, v = (t.view(B, T, heads, self.head_size).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hs)
         # softmax(q k^T / sqrt(hs)) v with the causal mask, fused (flash attention on recent GPUs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.attention_dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, C)  # the heads side by side again
+        y = y.transpose(1, 2).reshape(B, T, heads * self.head_size)  # the heads side by side again
         return self.dropout(self.proj(y))
 
 

@@ -218,6 +218,15 @@ def require_same_start(epochs_run, device):
                          "--snapshot_path on storage that every node shares")
 
 
+def require_tp_fits(tp, world_size, heads):
+    """Stop with one line, before any work, when `--tp` cannot split the job: the processes must form whole tp groups,
+    and each block's attention heads must split evenly over a group (a rank computes heads/tp of them)."""
+    if world_size % tp or heads % tp:
+        raise SystemExit(f"error: --tp {tp} must divide the number of processes ({world_size}) and of attention heads "
+                         f"({heads}): the processes form groups of {tp}, and each group splits every block's heads "
+                         "evenly")
+
+
 def require_epochs_left(epochs_run, total_epochs, snapshot_path):
     """Stop with one line when a snapshot already holds all the epochs asked for: a finished job run again."""
     if epochs_run >= total_epochs:

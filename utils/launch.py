@@ -115,3 +115,15 @@ def rendezvous_port(host="127.0.0.1"):
             raise SystemExit(f"error: MASTER_PORT={chosen} cannot be used ({error.strerror}): choose another, or "
                              "unset it to use a free one") from None
         return str(sock.getsockname()[1])
+
+
+def mesh_with_timeout(mesh, timeout_s):
+    """`mesh`, its process groups bound by the job's timeout. init_device_mesh makes a group for each dimension of a
+    mesh with torch's default timeout (30 minutes on gloo, 10 on nccl), not the timeout of the default group
+    (pytorch#119574): a rank stuck in a tensor-parallel all-reduce would keep its peers waiting that long. torch 2.14
+    has dist.set_timeout; older releases (2.6 among them) have the same function as
+    dist.distributed_c10d._set_pg_timeout, which 2.14 keeps as a deprecated alias."""
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    for name in mesh.mesh_dim_names:
+        set_timeout(timedelta(seconds=timeout_s), mesh.get_group(name))
+    return mesh

@@ -1,4 +1,5 @@
-"""Memory per rank, gathered into one table: what `fsdp.py --verbose` prints at the start, after each epoch, at the end.
+"""Memory per rank, gathered into one table: what `fsdp.py --verbose` prints at the start, after each epoch, at the end;
+and, for `tensor_parallel.py --verbose`, the part of every matrix of a block that each rank holds (log_slices).
 
 Two kinds of numbers per rank:
 - the memory of its device: on a GPU, what the CUDA allocator holds now and at its peak on the process's own GPU
@@ -73,3 +74,48 @@ def log_memory(stage, model, optimizer, device, verbose=True):
     if dist.get_rank() == 0:
         print(format_table(stage, rows), flush=True)
 
+
+
+def slice_rows(module):
+    """This rank's part of each matrix of `module`: (name, full shape, its slice over the mesh dimension "tp", the
+    part it stores, bytes stored). A DTensor's placements say how each dimension of its mesh splits it: Shard(d) over
+    n ranks leaves 1/n of tensor dimension d. FSDP then splits the tp slice again, over "dp"."""
+    rows = []
+    for name, param in module.named_parameters():
+        if param.dim() != 2 or not hasattr(param, "placements"):
+            continue
+        sliced = list(param.shape)
+        for size, dim_name, placement in zip(param.device_mesh.shape, param.device_mesh.mesh_dim_names,
+                                             param.placements):
+            if dim_name == "tp" and placement.is_shard():
+                sliced[placement.dim] //= size
+        rows.append((name, tuple(param.shape), tuple(sliced), tuple(param.to_local().shape), local_bytes(param)))
+    return rows
+
+
+def log_slices(module, verbose=True):
+    """Every rank's part of each matrix of `module` (a block of a tensor-parallel model, whose parameters are DTensors
+    on a ("dp", "tp") mesh), printed by rank 0 as one table. A collective: call it on every rank."""
+    if not verbose:
+        return
+    mesh = next(param.device_mesh for param in module.parameters()  # the 2-D mesh of a split matrix
+                if "tp" in (getattr(param, "device_mesh", None) and param.device_mesh.mesh_dim_names or ()))
+    mine = dict(rank=dist.get_rank(), **dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())), rows=slice_rows(module))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        print(format_slices(everyone), flush=True)
+
+
+def format_slices(everyone):
+    def shape(dims):
+        return "x".join(map(str, dims))
+
+    lines = ["slices: each rank's part of every matrix of a block (full -> the tp slice it computes with -> what it "
+             "stores)",
+             f"{'rank':>4} {'dp':>3} {'tp':>3}  {'matrix':<24} {'full':>9} {'tp slice':>9} {'stored':>9} {'KiB':>8}"]
+    for row in everyone:
+        for name, full, sliced, stored, size in row["rows"]:
+            lines.append(f"{row['rank']:>4} {row['dp']:>3} {row['tp']:>3}  {name:<24} {shape(full):>9} "
+                         f"{shape(sliced):>9} {shape(stored):>9} {size / 1024:>8.2f}")
+    return "\n".join(lines)

@@ -32,7 +32,7 @@ class Metrics(dict):
 
 
 @torch.no_grad()
-def evaluate(model, dataset, loss_fn, device, classification=False, batch_size=256):
+def evaluate(model, dataset, loss_fn, device, classification=False, batch_size=256, group=None):
     """Mean loss (and accuracy) over the whole held-out set; with a process group, shared by all ranks.
 
     Each rank scores every world_size-th sample, without DistributedSampler's padding, so no sample is
@@ -40,9 +40,12 @@ def evaluate(model, dataset, loss_fn, device, classification=False, batch_size=2
 
     Every rank runs the same number of forward passes (a rank with fewer samples ends on an empty batch):
     an FSDP model all-gathers its parameters inside forward, which needs every rank to take part.
+
+    `group`: the ranks that split the samples, when not all of them do: under tensor parallelism the ranks of a tp
+    group compute one forward together, on the same samples, so the samples are split over the dp group.
     """
     model = getattr(model, "module", model)  # the plain model: DDP's forward may sync buffers between ranks
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world_size = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     for buffer in model.buffers() if world_size > 1 else ():  # BatchNorm statistics drift apart in the last step:
         dist.broadcast(buffer, src=0)  # every rank scores rank 0's model, the one the checkpoint holds
     indices = range(rank, len(dataset), world_size)
@@ -62,7 +65,7 @@ def evaluate(model, dataset, loss_fn, device, classification=False, batch_size=2
         totals[2] += len(source)
     model.train(was_training)
     if dist.is_initialized():
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=group)
     metrics = Metrics(loss=(totals[0] / totals[2]).item())
     if classification:
         metrics["accuracy"] = (totals[1] / totals[2]).item()

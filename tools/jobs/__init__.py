@@ -343,7 +343,8 @@ def recorded_writes(folder):
 def recorded_samples(folder):
     """One dict per completed pass over a DataLoader of a recorded job, in the order they ended: pid, rank, restart,
     sampler (class name), epoch (its set_epoch value, or None), number (the pass's number in its process), ddp (the
-    model was wrapped in DDP), indices (the samples, in training order)."""
+    model was wrapped in DDP), mesh (the rank's coordinates in a named device mesh, e.g. {"dp": 0, "tp": 1}, or None),
+    indices (the samples, in training order)."""
     path = Path(folder) / "samples.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 

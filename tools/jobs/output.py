@@ -93,6 +93,20 @@ def memory_tables(output):
     return tables
 
 
+def slices(output):
+    """The rows of the table `tensor_parallel.py --verbose` prints (utils/memory.py: log_slices), each a dict: rank,
+    dp, tp (its place in the mesh), matrix (its name in the block), full, tp_slice, stored (shapes, as tuples), KiB."""
+    shape = r"(\d+x\d+)"
+    row = re.compile(rf"^ +(\d+) +(\d+) +(\d+)  (\S+) +{shape} +{shape} +{shape} +([\d.]+)$", re.M)
+    table = output.split("\nslices: ", 1)[1] if "\nslices: " in output else ""
+
+    def dims(text):
+        return tuple(map(int, text.split("x")))
+
+    return [dict(rank=int(r[0]), dp=int(r[1]), tp=int(r[2]), matrix=r[3], full=dims(r[4]), tp_slice=dims(r[5]),
+                 stored=dims(r[6]), KiB=float(r[7])) for r in row.findall(table)]
+
+
 class Narrator:
     """An echo for Job.wait_for and Job.wait: a running job's lines as a learner wants to follow them. The steps' own
     lines as they are, torchrun's log records as `torchrun: <message>`, and the traceback of a worker whose peer

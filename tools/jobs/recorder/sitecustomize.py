@@ -7,9 +7,11 @@ changed; without the variables nothing happens.
     wrote files and which ranks they were ("-": no process group).
   - samples.jsonl: a JSON line per completed pass over a DataLoader: the process, its rank, torchrun's restart
     count, the sampler's class and epoch (its set_epoch value), the pass's number in this process, whether the model
-    was wrapped in DDP, and the sample indices in the order the process trained on them. Overlapping shards, a
-    shuffle that never changes, a resume that repeats an epoch: all show in it. (A BatchSampler is what every
-    DataLoader with a batch size iterates over, so patching its __iter__ sees every batch of every step.)
+    was wrapped in DDP, `mesh` (this rank's coordinates in the named DeviceMesh init_device_mesh made, e.g.
+    {"dp": 1, "tp": 0}; None without one), and the sample indices in the order the process trained on them.
+    Overlapping shards, a shuffle that never changes, a resume that repeats an epoch: all show in it. (A BatchSampler
+    is what every DataLoader with a batch size iterates over, so patching its __iter__ sees every batch of every
+    step.)
 - JOB_RECORD_STEPS=1 (with JOB_RECORD_DIR): steps.jsonl, a JSON line per optimizer step: the process, its rank,
   torchrun's restart count, the step's number in this process, the learning rate it used (the first param group's),
   and the gradient all-reduces since the step before: `rounds` (DDP all-reduces its buckets once per backward that
@@ -117,7 +119,7 @@ if RECORD_DIR or KILL_AT:
     _wrapped = [False]  # did this process build a DistributedDataParallel?
     _ddp_init, _batches = DistributedDataParallel.__init__, BatchSampler.__iter__
     # What the pass under way has seen: its batch's size, the losses backward() was called on, a bypass of DDP
-    _now = dict(in_pass=False, in_ddp=0, batch=0, loss=0.0, samples=0, bypass=None, rank=None)
+    _now = dict(in_pass=False, in_ddp=0, batch=0, loss=0.0, samples=0, bypass=None, rank=None, mesh=None)
     _models, _optimizers = [], []  # weak references: the DDP-wrapped models and the optimizers this process built
 
     def _noting_ddp_init(self, *args, **kwargs):
@@ -182,11 +184,26 @@ if RECORD_DIR or KILL_AT:
             _now["rank"] = _rank()
             _append("samples.jsonl", json.dumps(dict(
                 pid=os.getpid(), rank=_rank(), restart=restart, sampler=type(self.sampler).__name__, epoch=epoch,
-                number=number, ddp=_wrapped[0], indices=indices, **before, ended=time.time(),
+                number=number, ddp=_wrapped[0], mesh=_now["mesh"], indices=indices, **before, ended=time.time(),
                 params=_parameters_hash(), optimizer=_optimizer_hash(),
                 loss=_now["loss"] / _now["samples"] if _now["samples"] else None, bypass=_now["bypass"])))
 
     DistributedDataParallel.__init__ = _noting_ddp_init
+
+    if RECORD_DIR and torch.distributed.is_available():
+        import torch.distributed.device_mesh
+
+        _init_device_mesh = torch.distributed.device_mesh.init_device_mesh
+
+        def _noting_init_device_mesh(*args, **kwargs):
+            """This rank's coordinates in a mesh with named dimensions (FSDP's own unnamed 1-D mesh is left out)."""
+            mesh = _init_device_mesh(*args, **kwargs)
+            if mesh.mesh_dim_names:
+                _now["mesh"] = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+            return mesh
+
+        torch.distributed.device_mesh.init_device_mesh = _noting_init_device_mesh
+        torch.distributed.init_device_mesh = _noting_init_device_mesh
     BatchSampler.__iter__ = _recording_batches
 
     if RECORD_DIR:

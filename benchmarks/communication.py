@@ -1,0 +1,231 @@
+"""What each way of training the same GPT communicates per optimizer step: DDP, FSDP, TP and 2D (FSDP x TP), on the
+same ranks and the same global batch; and the tokens/s each reaches here, in the same run.
+
+    python benchmarks/communication.py                    # 4 CPU processes (gloo), the CPU-size GPT
+    python benchmarks/communication.py --size gpu --nproc 6 --steps 2   # nanoGPT's 10.8M weights, 6 heads (slow)
+
+The N processes (one CPU thread each) train the GPT the way the steps wrap it: DDP(model) (steps 2-4, 6); fully_shard
+on each block and the root (step 5, fsdp.py); tensor_parallel.py's PLAN on each block over a tp group of all N ranks,
+then fully_shard over the remaining dp dimension of one rank (--tp N); and the 2D layout dp 2 x tp N/2. Every layout
+takes the same global batch (--batch_size sequences per optimizer step: N/1, N/2 or 1 share of it per rank).
+
+Counts come from torch's own instrument, CommDebugMode (torch.distributed.tensor.debug): a dispatch mode that sees
+every collective a rank calls, c10d's (DDP's all-reduces, FSDP's all-gathers and reduce-scatters) and DTensor's
+functional ones (TP's all-reduces). Around it, each collective's buffer is weighed (the whole tensor: an all-gather's
+output, a reduce-scatter's input) and named by its process group (dp, tp, or all ranks). "Sent per rank" is what a
+ring algorithm sends for that buffer: 2(n-1)/n of it for an all-reduce, (n-1)/n for an all-gather or a reduce-scatter
+over n ranks; a collective over a group of one rank sends nothing. One step after two warm-up steps is counted; the
+forward and backward of the counted step are told apart. Timed steps: the best of --rounds rounds of --steps steps,
+the layouts taking turns round after round (other work only ever slows a turn down).
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as `python benchmarks/communication.py` from anywhere; tensor_parallel.py imports
+
+from tools.jobs import free_port, machine_summary, spawned_result  # noqa: E402
+from utils import exit_without_teardown, positive_int  # noqa: E402
+
+LAYOUTS = ["DDP", "FSDP", "TP", "2D"]
+KINDS = {"allreduce_": "all-reduce", "all_reduce": "all-reduce", "_allgather_base_": "all-gather",
+         "allgather_into_tensor_coalesced_": "all-gather", "all_gather_into_tensor": "all-gather",
+         "all_gather_into_tensor_coalesced": "all-gather", "_reduce_scatter_base_": "reduce-scatter",
+         "reduce_scatter_tensor_coalesced_": "reduce-scatter", "reduce_scatter_tensor": "reduce-scatter",
+         "reduce_scatter_tensor_coalesced": "reduce-scatter", "broadcast_": "broadcast", "broadcast": "broadcast"}
+
+
+def group_name(arg):
+    """The name of the process group a collective's argument stands for, else None. c10d's collectives take the group
+    itself (a ScriptObject inside the dispatcher), DTensor's functional ones its name."""
+    import torch
+    from torch.distributed import ProcessGroup
+
+    if isinstance(arg, torch.ScriptObject):
+        try:
+            return ProcessGroup.unbox(arg).group_name
+        except RuntimeError:  # another ScriptObject: the ReduceOp
+            return None
+    return arg if isinstance(arg, str) else None
+
+
+def counting_mode(groups):
+    """A CommDebugMode that also notes, per collective, its kind, its process group (`groups`: group name -> ("dp",
+    "tp" or "all", its size in ranks)), its buffer's bytes and whether backward ran it."""
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.utils._pytree import tree_leaves
+
+    class WeighingCommDebugMode(CommDebugMode):
+        def __init__(self):
+            super().__init__()
+            self.collectives = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = sum(self.comm_counts.values())
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if sum(self.comm_counts.values()) > before:  # CommDebugMode counted a collective
+                name = next(name for name in map(group_name, tree_leaves(args)) if name in groups)
+                tensors = [leaf for leaf in tree_leaves((args, out)) if isinstance(leaf, torch.Tensor)]
+                label, size = groups[name]
+                self.collectives.append(dict(
+                    kind=KINDS.get(func._overloadpacket.__name__, func._overloadpacket.__name__),
+                    group=label, ranks=size, backward=self.advanced_module_tracker.is_bw,
+                    bytes=max(t.numel() * t.element_size() for t in tensors)))
+            return out
+
+    return WeighingCommDebugMode()
+
+
+def wrapped(layout, world_size, size, text_path):
+    """The GPT of `size` ("cpu" or "gpu"; dropout 0) wrapped as `layout`: (its workload, the wrapped model, its
+    optimizer, {group name: (label, ranks)}, the number of dp ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tensor_parallel import PLAN
+    from utils import make_workload
+
+    workload = make_workload(f"gpt-{size}", text=text_path, dropout=0)
+    model, groups = workload.model, {dist.group.WORLD.group_name: ("all", world_size)}
+    if layout == "DDP":
+        return workload, DDP(model), workload.optimizer, groups, world_size
+    tp = {"FSDP": 1, "TP": world_size, "2D": world_size // 2}[layout]
+    mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    groups.update({mesh[dim].get_group().group_name: (dim, mesh[dim].size()) for dim in ("tp", "dp")})
+    for block in list(model.children())[1:-1] if tp > 1 else []:
+        parallelize_module(block, mesh["tp"], PLAN)
+    for module in [*model.children(), model]:
+        fully_shard(module, mesh=mesh["dp"])
+    return workload, model, workload.make_optimizer(model), groups, world_size // tp
+
+
+def worker(rank, world_size, args, text_path, result_path):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # Under CommDebugMode's module tracker FSDP warns that a block returns a view (a linear layer's 3-D output is
+    # one): no in-place operation follows, so nothing is lost.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout))
+    runs = {}
+    for layout in LAYOUTS:
+        workload, model, optimizer, groups, dp = wrapped(layout, world_size, args.size, text_path)
+        share = args.batch_size // dp  # sequences per rank; the ranks of a tp group take the same ones
+        start = (rank // (world_size // dp)) * share
+        source, targets = (t[start:start + share] for t in workload.train_set[:args.batch_size])
+
+        def step():
+            workload.loss_fn(model(source), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for _ in range(2):  # warm-up: DDP rebuilds its buckets after the first step, Adam creates its moments
+            step()
+        with counting_mode(groups) as mode:
+            step()
+        runs[layout] = dict(collectives=mode.collectives, dp=dp, step=step, seconds=[])
+    for _ in range(args.rounds):
+        for layout in LAYOUTS:
+            dist.barrier()
+            began = time.perf_counter()
+            for _ in range(args.steps):
+                runs[layout]["step"]()
+            slowest = torch.tensor([time.perf_counter() - began])
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            runs[layout]["seconds"].append(slowest.item())
+    context = workload.train_set.tensors[0].shape[1]
+    if rank == 0:
+        Path(result_path).write_text(json.dumps({layout: dict(
+            collectives=run["collectives"], dp=run["dp"],
+            tokens_per_s=args.batch_size * context * args.steps / min(run["seconds"]))
+            for layout, run in runs.items()}))
+    dist.destroy_process_group()
+    exit_without_teardown()  # as the step scripts do: a gloo thread may still hold tensors at interpreter exit
+
+
+def sent_per_rank(collective):
+    """Bytes one rank sends for a collective with a ring algorithm (what NCCL and gloo use for large buffers)."""
+    n = collective["ranks"]
+    share = (n - 1) / n if n > 1 else 0.0
+    return collective["bytes"] * share * (2 if collective["kind"] == "all-reduce" else 1)
+
+
+def summary(results, world_size):
+    """One row per layout: its collectives per optimizer step by kind and group, and what each rank sends."""
+    rows = []
+    for layout, result in results.items():
+        counts, sent = defaultdict(int), defaultdict(float)
+        for collective in result["collectives"]:
+            where = collective["group"] if collective["ranks"] > 1 else "alone"
+            counts[(collective["kind"], where, collective["backward"])] += 1
+            sent[where] += sent_per_rank(collective)
+        tp = world_size // result["dp"]
+        rows.append(dict(layout=layout, mesh=f"dp {result['dp']} x tp {tp}", counts=dict(counts),
+                         sent={where: value / 2**20 for where, value in sent.items()},
+                         tokens_per_s=result["tokens_per_s"]))
+    return rows
+
+
+def describe(counts):
+    """`2 all-gather (fwd) + ...` from {(kind, group, backward): n}, groups of one rank left out."""
+    parts = [f"{n} {kind} over {group} ({'bwd' if backward else 'fwd'})"
+             for (kind, group, backward), n in sorted(counts.items(), key=lambda item: (item[0][2], item[0][:2]))
+             if group != "alone"]
+    return ", ".join(parts) or "none"
+
+
+def table(rows):
+    lines = ["| layout | mesh | collectives per optimizer step (each rank) | MiB sent per rank per step | tokens/s |",
+             "|---|---|---|---:|---:|"]
+    for row in rows:
+        sent = " + ".join(f"{mib:.2f} ({where})" for where, mib in sorted(row["sent"].items()) if where != "alone")
+        lines.append(f"| {row['layout']} | {row['mesh']} | {describe(row['counts'])} | {sent or '0'} | "
+                     f"{row['tokens_per_s']:,.0f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", default=4, type=positive_int, help="Processes (an even number: 2D is dp 2)")
+    parser.add_argument("--size", default="cpu", choices=["cpu", "gpu"], help="The GPT's size (utils/gpt.py)")
+    parser.add_argument("--batch_size", default=16, type=positive_int, help="Sequences per optimizer step, all ranks")
+    parser.add_argument("--steps", default=10, type=positive_int, help="Timed optimizer steps per round")
+    parser.add_argument("--rounds", default=3, type=positive_int, help="Timed rounds (the best one counts)")
+    parser.add_argument("--chars", default=60_000, type=positive_int, help="Characters of Python's help pages")
+    parser.add_argument("--timeout", default=600, type=positive_int, help="Seconds before the run is stopped")
+    args = parser.parse_args()
+    from utils.gpt import SIZES, help_pages
+
+    heads = SIZES[args.size].n_head
+    if args.nproc % 2 or args.batch_size % args.nproc or heads % args.nproc:
+        sys.exit(f"error: --nproc must be even (2D is dp 2 x tp nproc/2) and divide --batch_size and the "
+                 f"{args.size}-size GPT's {heads} heads (TP alone splits them over all the processes)")
+
+    print(f"{machine_summary()}; {args.nproc} processes, one thread each; the {args.size}-size GPT, "
+          f"{args.batch_size} sequences per optimizer step")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+                      CUDA_VISIBLE_DEVICES="")
+    with tempfile.TemporaryDirectory() as scratch:
+        text_path = Path(scratch) / "text.txt"
+        text_path.write_text(help_pages()[:args.chars])
+        results = spawned_result(worker, (args.nproc, args, str(text_path)), args.nproc, args.timeout,
+                                 f"{args.nproc} processes")
+    print(table(summary(results, args.nproc)))
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Step 7 - tensor parallelism: each block's matrices split over the `tp` ranks of a node, and FSDP over `dp` (2D).
+
+    torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job1 --rdzv_backend=c10d --rdzv_endpoint=HEAD:29500 \
+        tensor_parallel.py 50 10 --tp 8 --verbose   # the same command on every node; HEAD: the first node
+"""
+import argparse
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
+                   positive_int, replacing)
+from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
+from utils import require_same_arguments, require_same_start
+from utils import exists_on_any_rank, log_memory
+from utils import log_slices, mesh_with_timeout, require_tp_fits
+
+# Megatron-style: q, k, v and the MLP's first matrix split by rows (a rank computes n_head/tp heads), the matrices
+# after them by columns, their partial sums all-reduced over tp; backward all-reduces once at each input.
+PLAN = {"attention": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate()),
+        "attention.q": ColwiseParallel(), "attention.k": ColwiseParallel(), "attention.v": ColwiseParallel(),
+        "attention.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+
+
+def ddp_setup(timeout_s):
+    # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each process it started.
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process its own GPU
+    # The processes meet in torchrun's store, under keys of this attempt's own: after a restart the keys of the
+    # workers that died are still there (docs/steps.md explains). A collective stuck past the timeout fails.
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", store=attempt_store(timeout_s),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timedelta(seconds=timeout_s))
+
+
+class Trainer:
+    def __init__(self, model, train_data, make_optimizer, loss_fn, device, save_every, snapshot_path, fsdp, verbose):
+        # LOCAL_RANK numbers the processes of this node (it picks the GPU); RANK numbers those of the whole job.
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.global_rank = int(os.environ["RANK"])
+        self.device = device
+        self.model = model.to(device)
+        # Each block, then the root: one block's full weights exist at a time; each parameter becomes a 1/N shard.
+        for module in [*model.children(), model] if fsdp else []:
+            fully_shard(module, **fsdp)
+        optimizer = make_optimizer(model)  # after fully_shard: it steps the shards
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.save_every = save_every
+        self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
+        self.snapshot_path = snapshot_path
+        self.verbose, self.dp = verbose, fsdp["mesh"]  # dp: the ranks that split the data
+        # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
+        self.epochs_run = self._load_snapshot() if exists_on_any_rank(snapshot_path, device) else 0
+        require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
+
+    def _load_snapshot(self):
+        with stop_if_unloadable(self.snapshot_path):
+            # Each rank reads only its own shards, into the (sharded) state it already has.
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state, EPOCHS_RUN=0)
+            dcp.load(snapshot, checkpoint_id=self.snapshot_path)  # fills the tensors above in place
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+            epochs_run = snapshot["EPOCHS_RUN"]
+        print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
+        return epochs_run
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _run_epoch(self, epoch):
+        start = time.perf_counter()
+        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
+        for source, targets in self.train_data:
+            source, targets = source.to(self.device), targets.to(self.device)
+            totals[0] += self._run_batch(source, targets) * len(source)
+            totals[1] += len(source)
+        log_rank_metrics(epoch, len(self.train_data), totals, start)
+        dist.all_reduce(totals, group=self.dp.get_group())  # over dp: a tp group counts its samples once
+        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
+        samples_per_s = totals[1].item() / (time.perf_counter() - start)
+        if self.global_rank == 0:
+            print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
+                  f"{samples_per_s:,.0f} samples/s")
+
+    def _save_snapshot(self, epoch):
+        # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
+        snapshot = dict(zip(["MODEL_STATE", "OPTIMIZER_STATE"], get_state_dict(self.model, self.optimizer)),
+                        EPOCHS_RUN=epoch + 1)
+        # Every rank writes its shards into one folder of the job's; rank 0 then swaps it in for the last snapshot.
+        tmp = f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp"
+        with replacing(self.snapshot_path, tmp, rename=self.global_rank == 0):
+            dcp.save(snapshot, checkpoint_id=tmp)
+        if self.global_rank == 0:
+            print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
+
+    def train(self, max_epochs):
+        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
+        log_memory("start", self.model, self.optimizer, self.device, self.verbose)  # every rank's, in one table
+        log_slices(self.model.block0, self.verbose)  # every rank's part of each matrix of a block, in one table
+        for epoch in range(self.epochs_run, max_epochs):
+            self._run_epoch(epoch)
+            log_memory(f"after epoch {epoch}", self.model, self.optimizer, self.device, self.verbose)
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
+                self._save_snapshot(epoch)  # sharded: every rank writes its part
+                dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
+        log_memory("end", self.model, self.optimizer, self.device, self.verbose)
+
+
+def load_train_objs(args):
+    return make_workload(args.workload)  # data, model, optimizer and loss, as in every step
+
+
+def prepare_dataloader(dataset: Dataset, batch_size: int, dp_mesh):
+    # Each dp rank its own 1/dp of the data; the ranks of its tp group, which compute one model with it, the same.
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
+                      sampler=DistributedSampler(dataset, num_replicas=dp_mesh.size(), rank=dp_mesh.get_local_rank()))
+
+
+def main(args):
+    ddp_setup(args.timeout)
+    require_same_arguments(args)  # every node started with the same command?
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
+    workload = load_train_objs(args)
+    require_tp_fits(args.tp, dist.get_world_size(), workload.model.config.n_head)  # whole tp groups, whole heads
+    # A grid of dp x tp ranks, named; a tp group is tp consecutive ranks (the GPUs of one node).
+    mesh = init_device_mesh(device.type, (dist.get_world_size() // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+    mesh_with_timeout(mesh, args.timeout)  # the groups it made give up after --timeout too
+    # bf16 compute and reduce-scatter, fp32 outputs for the loss; FSDP over dp only.
+    bf16 = torch.bfloat16 if args.precision == "bf16" else None
+    fsdp = dict(mp_policy=MixedPrecisionPolicy(bf16, output_dtype=torch.float32), mesh=mesh["dp"])
+    for block in list(workload.model.children())[1:-1]:  # each transformer block, split before FSDP shards it
+        parallelize_module(block, mesh["tp"], PLAN)
+    train_data = prepare_dataloader(workload.train_set, args.batch_size, mesh["dp"])
+    trainer = Trainer(workload.model, train_data, workload.make_optimizer, workload.loss_fn, device,
+                      args.save_every, args.snapshot_path, fsdp, args.verbose)
+    trainer.train(args.total_epochs)
+    metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, group=mesh["dp"].get_group())
+    full_model = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.global_rank == 0:
+        print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
+        full_path = os.path.join(os.path.dirname(args.snapshot_path), "model_full.pt")  # beside the snapshot
+        torch.save(full_model, full_path)  # one plain state_dict: it loads without torch.distributed
+        print(f"{trainer.tag} full model saved to {full_path}")
+    dist.destroy_process_group()
+    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("total_epochs", type=positive_int, help="Total epochs to train the model")
+    parser.add_argument("save_every", type=positive_int, help="How often to save (in epochs)")
+    parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per dp rank")
+    parser.add_argument("--workload", default="gpt", choices=[w for w in WORKLOADS if w.startswith("gpt")])
+    parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
+    parser.add_argument("--snapshot_path", default="snapshot", type=writable_path, help="Sharded snapshot folder")
+    parser.add_argument("--tp", default=2, type=positive_int, help="Ranks that split each block (tensor parallel)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="Compute dtype")
+    parser.add_argument("--verbose", action="store_true", help="Print every rank's memory at each epoch")
+    args = parser.parse_args()
+
+    require_torchrun()
+    main(args)
