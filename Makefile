@@ -6,7 +6,12 @@ STAMP := $(VENV)/.requirements-installed
 
 .PHONY: demo test
 
+# The pins (torch's wheels, matplotlib) need Python 3.11 or newer: an older one stops here with one line, not a pip error.
+PYTHON_IS_NEW_ENOUGH = $(shell $(PYTHON) -c 'import sys; print(sys.version_info >= (3, 11))' 2>/dev/null)
+
 $(STAMP): requirements.txt
+	$(if $(filter True,$(PYTHON_IS_NEW_ENOUGH)),,$(error $(PYTHON) is not Python 3.11 or newer, which requirements.txt needs: \
+	  run make with PYTHON=python3.11 (or newer)))
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt

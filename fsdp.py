@@ -18,28 +18,35 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import (WORKLOADS, attempt_store, configure_cpu_threads, evaluate, exit_without_teardown, make_workload,
-                   positive_int, log_memory, log_rank_metrics, reason, replacing, require_epochs_left,
-                   require_same_arguments, require_torchrun, writable_path)
+from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
+                   positive_int, replacing)
+from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
+from utils import require_same_arguments, require_same_start
+from utils import exists_on_any_rank, log_memory
 
 
-def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+def ddp_setup(timeout_s):
+    # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each process it started.
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process drives its own GPU
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet in torchrun's store,
-                            store=attempt_store(timeout_s), rank=int(os.environ["RANK"]),  # under this attempt's keys
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process its own GPU
+    # The processes meet in torchrun's store, under keys of this attempt's own: after a restart the keys of the
+    # workers that died are still there (docs/steps.md explains). A collective stuck past the timeout fails.
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", store=attempt_store(timeout_s),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timedelta(seconds=timeout_s))
 
 
 class Trainer:
     def __init__(self, model, train_data, make_optimizer, loss_fn, device, save_every, snapshot_path, fsdp, verbose):
-        self.local_rank = int(os.environ["LOCAL_RANK"])  # its number on this node: picks the GPU
-        self.global_rank = int(os.environ["RANK"])  # its number in the whole job: logs, and the one writer
+        # LOCAL_RANK numbers the processes of this node (it picks the GPU); RANK numbers those of the whole job.
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.global_rank = int(os.environ["RANK"])
         self.device = device
         self.model = model.to(device)
-        for module in [*model.children(), model] if fsdp else []:  # each block, then the root: a block's full
-            fully_shard(module, **fsdp)  # weights exist only while it runs; its parameters become 1/N shards
-        optimizer = make_optimizer(model)  # after fully_shard: over the sharded parameters that replaced the full ones
+        # Each block, then the root: one block's full weights exist at a time; each parameter becomes a 1/N shard.
+        for module in [*model.children(), model] if fsdp else []:
+            fully_shard(module, **fsdp)
+        optimizer = make_optimizer(model)  # after fully_shard: it steps the shards
         self.train_data = train_data
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -47,27 +54,20 @@ class Trainer:
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path = snapshot_path
         self.verbose = verbose
-        found = torch.tensor(os.path.exists(snapshot_path), device=device)  # DCP's load is a collective: if any
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)  # rank finds a snapshot, all load (one without one fails)
-        self.epochs_run = self._load_snapshot() if found else 0  # epochs already done
-        seen = torch.tensor([self.epochs_run, -self.epochs_run], device=device)  # every node reads its own disk:
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX)  # do all ranks resume from the same epoch?
-        if seen[0] != -seen[1]:
-            raise SystemExit(f"error: ranks resume from different epochs ({-int(seen[1])} to {int(seen[0])}): put "
-                             "--snapshot_path on storage that every node shares")
-        # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward()
+        # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
+        self.epochs_run = self._load_snapshot() if exists_on_any_rank(snapshot_path, device) else 0
+        require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
+        # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward().
         self.model = self.model if fsdp else DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def _load_snapshot(self):
-        try:  # each rank reads only its own shards, into the (sharded) state it already has
+        with stop_if_unloadable(self.snapshot_path):
+            # Each rank reads only its own shards, into the (sharded) state it already has.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state, EPOCHS_RUN=0)
             dcp.load(snapshot, checkpoint_id=self.snapshot_path)  # fills the tensors above in place
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
             epochs_run = snapshot["EPOCHS_RUN"]
-        except (Exception, dcp.CheckpointException) as error:  # garbage bytes, another model's snapshot, a missing key
-            raise SystemExit(f"error: cannot resume from {self.snapshot_path} ({reason(error)}); it is left in place: "
-                             "move it away to start anew")
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
         return epochs_run
 
@@ -80,60 +80,63 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples]: stays on the device, no per-step sync
+        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
-        log_rank_metrics(epoch, len(self.train_data), totals, start)  # this rank's own totals, not summed over ranks
-        dist.all_reduce(totals)  # summed over ranks (gloo has no AVG): the loss below is every rank's mean
-        mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
+        log_rank_metrics(epoch, len(self.train_data), totals, start)
+        dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
+        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         if self.global_rank == 0:
             print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
                   f"{samples_per_s:,.0f} samples/s")
 
     def _save_snapshot(self, epoch):
+        # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
         snapshot = dict(zip(["MODEL_STATE", "OPTIMIZER_STATE"], get_state_dict(self.model, self.optimizer)),
-                        EPOCHS_RUN=epoch + 1)  # all it takes to go on exactly (the data order is the sampler's)
-        tmp = f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp"  # one name for every rank of the job
-        with replacing(self.snapshot_path, tmp, rename=self.global_rank == 0):  # every rank writes its shards, then
-            dcp.save(snapshot, checkpoint_id=tmp)  # rank 0 swaps the complete directory in for the last snapshot
+                        EPOCHS_RUN=epoch + 1)
+        # Every rank writes its shards into one folder of the job's; rank 0 then swaps it in for the last snapshot.
+        tmp = f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp"
+        with replacing(self.snapshot_path, tmp, rename=self.global_rank == 0):
+            dcp.save(snapshot, checkpoint_id=tmp)
         if self.global_rank == 0:
             print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
-        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)  # a finished job run again says so
+        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
         log_memory("start", self.model, self.optimizer, self.device, self.verbose)  # every rank's, in one table
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             log_memory(f"after epoch {epoch}", self.model, self.optimizer, self.device, self.verbose)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                self._save_snapshot(epoch)  # a sharded snapshot: every rank writes its part
-                dist.barrier()  # no rank runs ahead of a snapshot that is not on disk yet
+                self._save_snapshot(epoch)  # sharded: every rank writes its part
+                dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
         log_memory("end", self.model, self.optimizer, self.device, self.verbose)
 
 
-def load_train_objs(workload_name):
-    return make_workload(workload_name)  # dataset, held-out split, model, optimizer, loss: one call, every step
+def load_train_objs(args):
+    return make_workload(args.workload)  # data, model, optimizer and loss, as in every step
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
-    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
-                      sampler=DistributedSampler(dataset))  # each rank gets its own 1/world_size of the data
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(),
+                      shuffle=False, sampler=DistributedSampler(dataset))  # each rank its own 1/world_size
 
 
 def main(args):
-    if (args.bf16 or args.cpu_offload) and not (args.strategy == "fsdp" and torch.cuda.is_available()):
-        raise SystemExit("error: --bf16 and --cpu_offload are options of --strategy fsdp on CUDA GPUs")
-    fsdp = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None),  # compute dtype
-                offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy())  # where shards live
+    if (args.bf16 or args.cpu_offload) and args.strategy != "fsdp":
+        raise SystemExit("error: --bf16 and --cpu_offload are options of --strategy fsdp")
     ddp_setup(args.timeout)
-    require_same_arguments(args)  # every node started with the same command? Else all stop here, with one line
+    require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only the processes of this node share its cores
-    workload = load_train_objs(args.workload)
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
+    # bf16 compute and reduce-scatter, fp32 outputs for the loss; offloaded shards in CPU memory (pinned for GPUs).
+    fsdp = dict(mp_policy=MixedPrecisionPolicy(torch.bfloat16 if args.bf16 else None, output_dtype=torch.float32),
+                offload_policy=CPUOffloadPolicy(device.type == "cuda") if args.cpu_offload else OffloadPolicy())
+    workload = load_train_objs(args)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.make_optimizer, workload.loss_fn, device,
                       args.save_every, args.snapshot_path, fsdp if args.strategy == "fsdp" else None, args.verbose)
@@ -143,10 +146,10 @@ def main(args):
     if trainer.global_rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
         full_path = os.path.join(os.path.dirname(args.snapshot_path), "model_full.pt")  # beside the snapshot
-        torch.save(full_model, full_path)  # the shards gathered into one plain state_dict: no torch.distributed
+        torch.save(full_model, full_path)  # one plain state_dict: it loads without torch.distributed
         print(f"{trainer.tag} full model saved to {full_path}")
     dist.destroy_process_group()
-    exit_without_teardown()  # a gloo thread may still hold tensors: see utils
+    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
 
 
 if __name__ == "__main__":
@@ -158,11 +161,10 @@ if __name__ == "__main__":
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
     parser.add_argument("--snapshot_path", default="snapshot", type=writable_path, help="Sharded snapshot folder")
     parser.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp"], help="Shard the model or copy it")
-    parser.add_argument("--bf16", action="store_true", help="FSDP on GPUs: compute in bfloat16")
-    parser.add_argument("--cpu_offload", action="store_true", help="FSDP on GPUs: keep the shards in CPU memory")
+    parser.add_argument("--bf16", action="store_true", help="FSDP: compute in bfloat16")
+    parser.add_argument("--cpu_offload", action="store_true", help="FSDP: keep the shards in CPU memory")
     parser.add_argument("--verbose", action="store_true", help="Print every rank's memory at each epoch")
     args = parser.parse_args()
 
-    require_torchrun("torchrun --nnodes=2 --nproc_per_node=1 --rdzv_id=job1 --rdzv_backend=c10d "
-                     "--rdzv_endpoint=HEAD:29500")  # a clear error for plain `python`, or more processes than GPUs
+    require_torchrun()
     main(args)

@@ -14,15 +14,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
-                   log_rank_metrics, rendezvous_port, replacing, require_a_gpu_each, stop_workers_on_signals)
+from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
+                   positive_int, replacing)
+from utils import rendezvous_port, require_a_gpu_each, stop_workers_on_signals
 
 
 def ddp_setup(rank, world_size, timeout_s):
     if torch.cuda.is_available():
-        torch.cuda.set_device(rank)  # before init: each process drives its own GPU, and NCCL knows which
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet at MASTER_ADDR:PORT
-                            rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))  # hang -> error
+        torch.cuda.set_device(rank)  # before init: each process its own GPU
+    # Every process meets the others at MASTER_ADDR:MASTER_PORT; a collective stuck past the timeout fails.
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
 class Trainer:
@@ -35,7 +37,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.save_every = save_every
         self.tag = f"[rank {self.rank}/{dist.get_world_size()} | {device}]"
-        # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward()
+        # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward().
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def _run_batch(self, source, targets):
@@ -47,22 +49,23 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples]: stays on the device, no per-step sync
+        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
-        log_rank_metrics(epoch, len(self.train_data), totals, start)  # this rank's own totals, not summed over ranks
-        dist.all_reduce(totals)  # summed over ranks (gloo has no AVG): the loss below is every rank's mean
-        mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
+        log_rank_metrics(epoch, len(self.train_data), totals, start)
+        dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
+        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         if self.rank == 0:
             print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
                   f"{samples_per_s:,.0f} samples/s")
 
     def _save_checkpoint(self, epoch):
-        with replacing("checkpoint.pt") as tmp:  # written to a file of its own, then renamed over the last one at once
+        # Written to a file of its own, then renamed over the last one: a crash never leaves half a file.
+        with replacing("checkpoint.pt") as tmp:
             torch.save(self.model.module.state_dict(), tmp)  # .module: the model inside DDP
         print(f"{self.tag} epoch {epoch} | checkpoint saved to checkpoint.pt")
 
@@ -70,24 +73,24 @@ class Trainer:
         for epoch in range(max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                if self.rank == 0:  # the replicas are identical: one writer is enough
+                if self.rank == 0:  # the replicas are identical: one writer
                     self._save_checkpoint(epoch)
 
 
-def load_train_objs(workload_name):
-    return make_workload(workload_name)  # dataset, held-out split, model, optimizer, loss: one call, every step
+def load_train_objs(args):
+    return make_workload(args.workload)  # data, model, optimizer and loss, as in every step
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
-    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
-                      sampler=DistributedSampler(dataset))  # each rank gets its own 1/world_size of the data
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(),
+                      shuffle=False, sampler=DistributedSampler(dataset))  # each rank its own 1/world_size
 
 
 def main(rank, world_size, args):
     ddp_setup(rank, world_size, args.timeout)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(dist.get_world_size())  # every process of the job shares this machine's cores
-    workload = load_train_objs(args.workload)
+    configure_cpu_threads(dist.get_world_size())  # the job's processes share this machine's cores
+    workload = load_train_objs(args)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
                       args.save_every)
@@ -96,7 +99,7 @@ def main(rank, world_size, args):
     if trainer.rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
     dist.destroy_process_group()
-    exit_without_teardown()  # a gloo thread may still hold tensors: see utils
+    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
 
 
 if __name__ == "__main__":
@@ -111,6 +114,6 @@ if __name__ == "__main__":
 
     world_size = require_a_gpu_each(args.world_size or torch.cuda.device_count() or 2, "--world_size")
     print(f"{world_size} processes " + ("on NCCL, one per GPU" if torch.cuda.is_available() else "on gloo (no CUDA)"))
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=rendezvous_port())  # where rank 0 listens: the user's
-    stop_workers_on_signals()  # port (checked) or a free one. Ctrl-C or SIGTERM here stops the workers too
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=rendezvous_port())  # rank 0 listens there
+    stop_workers_on_signals()  # Ctrl-C stops the workers too
     mp.spawn(main, args=(world_size, args), nprocs=world_size)

@@ -8,7 +8,8 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from utils import WORKLOADS, evaluate, log_rank_metrics, make_workload, positive_int, replacing
+from utils import (WORKLOADS, evaluate, log_rank_metrics, make_workload,
+                   positive_int, replacing)
 
 
 class Trainer:
@@ -30,19 +31,20 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples]: stays on the device, no per-step sync
+        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
-        log_rank_metrics(epoch, len(self.train_data), totals, start)  # this rank's own totals, not summed over ranks
-        mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
+        log_rank_metrics(epoch, len(self.train_data), totals, start)
+        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
               f"{samples_per_s:,.0f} samples/s")
 
     def _save_checkpoint(self, epoch):
-        with replacing("checkpoint.pt") as tmp:  # written to a file of its own, then renamed over the last one at once
+        # Written to a file of its own, then renamed over the last one: a crash never leaves half a file.
+        with replacing("checkpoint.pt") as tmp:
             torch.save(self.model.state_dict(), tmp)
         print(f"{self.tag} epoch {epoch} | checkpoint saved to checkpoint.pt")
 
@@ -53,18 +55,19 @@ class Trainer:
                 self._save_checkpoint(epoch)
 
 
-def load_train_objs(workload_name):
-    return make_workload(workload_name)  # dataset, held-out split, model, optimizer, loss: one call, every step
+def load_train_objs(args):
+    return make_workload(args.workload)  # data, model, optimizer and loss, as in every step
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
-    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=True)
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(),
+                      shuffle=True)
 
 
 def main(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"Training on {device}" + ("" if device.type == "cuda" else " (no CUDA device found)"))
-    workload = load_train_objs(args.workload)
+    workload = load_train_objs(args)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
                       args.save_every)

@@ -59,18 +59,18 @@ def worker(rank, world_size, args, text_path, result_path):
 
     import gpt
     from utils import make_workload
-    from utils.gpt import TEXT_VARIABLE
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-                      **{TEXT_VARIABLE: text_path})
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout))
     results = {}
     for K in args.grad_accum:
-        alone, shared = make_workload("gpt-cpu"), make_workload("gpt-cpu")  # same text, same initial weights
+        # The same text and the same initial weights, twice.
+        alone, shared = (make_workload("gpt-cpu", text=text_path) for _ in range(2))
         loader = DataLoader(alone.train_set, batch_size=args.batch_size,
                             sampler=DistributedSampler(alone.train_set, num_replicas=1, rank=0))
-        options = Namespace(total_epochs=1000, grad_accum=K, precision="fp32", grad_clip=1.0, compile=False)
+        options = Namespace(total_epochs=1000, grad_accum=K, precision="fp32", grad_clip=1.0, compile=False,
+                            peak_tflops=None)
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             trainer = gpt.Trainer(shared.model, gpt.prepare_dataloader(shared.train_set, args.batch_size),
                                   shared.optimizer, shared.loss_fn, torch.device("cpu"), 1,

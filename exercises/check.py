@@ -15,7 +15,6 @@ the repository's tests use.
 import argparse
 import itertools
 import linecache
-import os
 import re
 import shutil
 import sys
@@ -477,18 +476,7 @@ def accumulation_reference(text):
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
-    from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE
-
-    saved = {name: os.environ.get(name) for name in (TEXT_VARIABLE, DROPOUT_VARIABLE)}
-    os.environ.update({TEXT_VARIABLE: str(text), DROPOUT_VARIABLE: "0"})
-    try:
-        workload = make_workload("gpt-cpu")
-    finally:
-        for name, value in saved.items():  # as they were: the checker's other runs see what the learner set
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
+    workload = make_workload("gpt-cpu", text=str(text), dropout=0)
     per_step = WORLD_SIZE * ACCUM_K * ACCUM_BATCH
     sampler = DistributedSampler(workload.train_set, num_replicas=1, rank=0)
     source, targets = next(iter(DataLoader(workload.train_set, batch_size=per_step, sampler=sampler)))
@@ -505,7 +493,7 @@ def accumulation_reference(text):
 def accumulation_problems(steps, reference):
     """What the recorded optimizer steps of rank 0 say about the accumulation: their number, the all-reduce rounds
     each took, the size of the first one's gradient, and the learning rate each used."""
-    from utils.loop import warmup_cosine
+    from utils.loop import WarmupCosine
 
     norm, peak_lr, steps_per_epoch = reference
     expected_steps, K = ACCUM_EPOCHS * steps_per_epoch, ACCUM_K
@@ -528,7 +516,7 @@ def accumulation_problems(steps, reference):
     if abs(ratio - 1) > 0.01:
         return [f"the gradient of the first optimizer step is {ratio:.2f}x the mean over its {K} micro-batches on "
                 f"{WORLD_SIZE} ranks, expected 1x: each step must average exactly those samples"]
-    factor = warmup_cosine(expected_steps)
+    factor = WarmupCosine(expected_steps)
     for number, step in enumerate(steps):
         expected = peak_lr * factor(number)
         if abs(step["lr"] - expected) > 1e-6 * peak_lr:
@@ -541,15 +529,14 @@ def accumulation_problems(steps, reference):
 def check_grad_accum(script, workdir, say):
     """Exercise 4: 2 ranks, --grad_accum 2, dropout 0, on a short text; every optimizer step recorded (its learning
     rate, and the gradient all-reduces DDP ran for it)."""
-    from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
+    from utils.gpt import help_pages
 
     text = workdir / "text.txt"
     text.write_text(help_pages()[:ACCUM_TEXT_CHARS])
     cmd = [*torchrun(script, ACCUM_EPOCHS, ACCUM_EPOCHS, nproc=WORLD_SIZE), "--workload", "gpt-cpu", "--batch_size",
-           ACCUM_BATCH, "--grad_accum", ACCUM_K, "--timeout", COLLECTIVE_TIMEOUT_S]
-    say(f"running: {shown(cmd)}   (dropout 0, on {ACCUM_TEXT_CHARS:,} characters of Python's help pages)")
-    job = run(cmd, cwd=workdir, logs=workdir / "records", record_steps=True, timeout=120, check=False,
-              env={TEXT_VARIABLE: text, DROPOUT_VARIABLE: 0})
+           ACCUM_BATCH, "--grad_accum", ACCUM_K, "--timeout", COLLECTIVE_TIMEOUT_S, "--text", text, "--dropout", 0]
+    say(f"running: {shown(cmd)}   ({ACCUM_TEXT_CHARS:,} characters of Python's help pages)")
+    job = run(cmd, cwd=workdir, logs=workdir / "records", record_steps=True, timeout=120, check=False)
     problems = exit_problems(job)
     if problems:
         return problems

@@ -132,7 +132,8 @@ def test_a_loss_not_divided_by_k_shows_as_a_gradient_k_times_too_large(tmp_path)
 
 
 def test_a_scheduler_stepped_per_micro_batch_shows_in_the_learning_rates(tmp_path):
-    mistaken = seeded(tmp_path, "gpt.py", (r"\n *self\.scheduler\.step\(\).*", ""),
+    stepped_per_optimizer_step = r"\n *if self\.scaler\.get_scale\(\) >= scale:.*\n *self\.scheduler\.step\(\).*"
+    mistaken = seeded(tmp_path, "gpt.py", (stepped_per_optimizer_step, ""),
                       (r"(\.backward\(\).*)", r"\1\n            self.scheduler.step()"))
     problems = checked(4, mistaken, tmp_path)
     assert re.fullmatch(r"optimizer step \d+ used learning rate \S+, expected \S+: the warm-up \+ cosine schedule "

@@ -2,6 +2,7 @@
 workers resume from the snapshot, and the job ends bitwise identical to one that was never interrupted. A job that
 fails more often than --max_restarts allows stops with a clear message and leaves its last snapshot usable; a snapshot
 that cannot be resumed from stops the job with one line and stays where it is."""
+import os
 import re
 
 import pytest
@@ -109,6 +110,20 @@ def write_single_device_checkpoint(path):
 
 def write_empty(path):
     path.write_bytes(b"")  # what a full disk or a crash in the middle of a copy can leave
+
+
+def test_the_line_for_an_unreadable_snapshot_says_what_is_wrong_not_to_load_it_unsafely(tmp_path):
+    """torch.load's own message for a file that is not tensors and plain containers advises weights_only=False; the
+    step's line says what the file is instead (the cause the unpickler found)."""
+    from utils.helpers import reason
+
+    for write, found in ((write_garbage, "Unsupported operand"), (lambda path: torch.save(os.getcwd, path), "GLOBAL")):
+        write(tmp_path / "x.pt")
+        with pytest.raises(Exception) as error:
+            torch.load(tmp_path / "x.pt", weights_only=True)
+        line = reason(error.value)
+        assert line.startswith("UnpicklingError: not a file of tensors torch.load can read safely (") and found in line
+        assert "weights_only" not in line, line
 
 
 @pytest.mark.parametrize("write_snapshot", [write_garbage, write_other_models_snapshot, write_single_device_checkpoint,

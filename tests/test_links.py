@@ -1,6 +1,7 @@
 """Every link of the front page, docs/ and the notebooks leads somewhere: relative links to files that exist,
 #anchors to headings of their target, with the ids GitHub gives headings (tools/doclinks.py)."""
 import re
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,28 @@ def test_every_test_a_page_names_exists(page):
     missing = [f"{path}::{name}" for path, name in named
                if not (REPO / path).exists() or f"def {name}(" not in (REPO / path).read_text()]
     assert not missing, f"{page.name} names tests that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", doclinks.pages(), ids=lambda page: str(page.relative_to(REPO)))
+def test_every_file_a_page_names_exists(page):
+    """`utils/loop.py`, `benchmarks/gpt_scaling.py`, `06_gpt.ipynb` in a page's code spans are files of the repository
+    (what a run writes, `runs/...`, and a learner's `my_*.py` are not)."""
+    missing = doclinks.missing_files(doclinks.markdown_of(page), doclinks.tracked())
+    assert not missing, f"{page.name} names files that do not exist: {missing}"
+
+
+def test_every_page_the_code_cites_exists():
+    """A comment or docstring that sends the reader to a page (docs/gpt.md, README.md) sends them somewhere."""
+    files, this_file = doclinks.tracked(), Path(__file__).resolve()  # this file's own examples aside
+    cited = {str(path.relative_to(REPO)): doclinks.missing_files(path.read_text(), files, doclinks.NAMED_IN_CODE)
+             for path in sorted(REPO.glob("**/*.py")) if ".venv" not in path.parts and path != this_file}
+    missing = {path: names for path, names in cited.items() if names}
+    assert not missing, missing
+
+
+def test_a_file_named_but_missing_is_found():
+    files = ["utils/loop.py", "notebooks/06_gpt.ipynb", "exercises/1_ddp/hints.md"]
+    text = "`utils/loop.py`, `06_gpt.ipynb`, `exercises/*/hints.md`, `utils/nothing.py`, `runs/try1/rank0.jsonl`"
+    assert doclinks.missing_files(text, files) == ["utils/nothing.py"]
+    assert doclinks.missing_files("see REPORT.md and docs/gpt.md", ["docs/gpt.md"], doclinks.NAMED_IN_CODE) == \
+        ["REPORT.md"]

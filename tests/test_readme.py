@@ -80,3 +80,28 @@ def test_make_lab_adds_its_own_requirements_which_make_test_never_installs():
     assert "pip install --quiet -r requirements-lab.txt" in lab and re.search(r"jupyter lab notebooks/?$", lab, re.M)
     assert "requirements-lab.txt" not in test and "jupyter" not in test
     assert "jupyterlab" not in (REPO / "requirements.txt").read_text().lower()
+
+
+@pytest.mark.parametrize("name", stepdiff.steps())
+def test_the_steps_page_has_a_section_for_every_step(name):
+    headings = re.findall(r"^## Step \d+ .*$", (REPO / "docs" / "steps.md").read_text(), re.M)
+    assert any(f"`{name}`" in heading for heading in headings), f"docs/steps.md has no section for {name}"
+
+
+@pytest.mark.parametrize("name", stepdiff.steps())
+def test_the_reference_says_where_every_step_is(name):
+    where = (REPO / "docs" / "reference.md").read_text().split("## What is where", 1)[1]
+    assert re.search(rf"^{re.escape(name)} ", where, re.M), f"docs/reference.md's \"what is where\" lacks {name}"
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_stops_with_one_line_on_a_python_older_than_the_pins_need(tmp_path):
+    """A Python that says it is 3.9 (the pins need 3.11): `make demo` stops before building .venv, with one line."""
+    old = tmp_path / "python3.9"
+    old.write_text("#!/bin/sh\necho False\n")  # what `import sys; print(sys.version_info >= (3, 11))` prints there
+    old.chmod(0o755)
+    made = subprocess.run(["make", "-n", "-B", "demo", f"PYTHON={old}"], cwd=REPO, capture_output=True, text=True)
+    assert made.returncode != 0 and "venv" not in made.stdout, made
+    assert re.fullmatch(rf"Makefile:\d+: \*\*\* {re.escape(str(old))} is not Python 3\.11 or newer, which "
+                        r"requirements\.txt needs: run make with PYTHON=python3\.11 \(or newer\)\.  Stop\.\n",
+                        made.stderr), made.stderr

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from expect import assert_bitwise_equal
 from tools.jobs import PYTHON, REPO, free_port, run, script, torchrun
 from utils import WORKLOADS, evaluate, exit_without_teardown, make_workload
 from utils.vision import FAKEDATA_SIZES
@@ -182,7 +183,7 @@ def test_the_gpt_is_built_the_same_in_every_process_and_starts_near_uniform(monk
 
     first, second = gpt_workload(monkeypatch), gpt_workload(monkeypatch)
     assert torch.equal(first.train_set.tensors[0], second.train_set.tensors[0])
-    assert all(torch.equal(a, b) for a, b in zip(first.model.state_dict().values(), second.model.state_dict().values()))
+    assert_bitwise_equal(first.model.state_dict(), second.model.state_dict(), "state_dict")
     source, targets = first.train_set[0]
     assert torch.equal(source[1:], targets[:-1])  # the target is the next character
     assert decode(first.train_set.tensors[0][0], first.model.vocab) == help_pages()[:64]
@@ -192,7 +193,7 @@ def test_the_gpt_is_built_the_same_in_every_process_and_starts_near_uniform(monk
 
 
 def test_a_gpt_sample_depends_on_its_seed_only_and_leaves_the_global_random_state_alone(monkeypatch):
-    from utils.gpt import generate
+    from utils.loop import generate
 
     model = gpt_workload(monkeypatch).model
     state = torch.get_rng_state()
@@ -204,9 +205,9 @@ def test_a_gpt_sample_depends_on_its_seed_only_and_leaves_the_global_random_stat
 
 @pytest.mark.parametrize("content, message", [
     (None, r"error: cannot read TUTORIAL_GPT_TEXT=\S+ \(No such file or directory\); point it at a UTF-8 text "
-           r"file or unset it to train on Python's help pages"),
+           r"file or leave it out to train on Python's help pages"),
     (b"caf\xe9 " * 1000, r"error: TUTORIAL_GPT_TEXT=\S+ is not UTF-8 text \(byte 3: invalid continuation byte\); "
-                         r"save it as UTF-8 or unset TUTORIAL_GPT_TEXT"),
+                         r"save it as UTF-8 or leave it out to train on Python's help pages"),
     (b"too short", r"error: TUTORIAL_GPT_TEXT=\S+ has 9 characters; this model size needs at least 2,600 \(.*\)"),
 ], ids=["missing", "latin-1", "too short"])
 def test_a_gpt_text_that_cannot_be_used_stops_with_one_line(tmp_path, monkeypatch, content, message):
@@ -216,6 +217,13 @@ def test_a_gpt_text_that_cannot_be_used_stops_with_one_line(tmp_path, monkeypatc
     with pytest.raises(SystemExit) as stop:
         gpt_workload(monkeypatch, path)
     assert re.fullmatch(message, str(stop.value)), stop.value
+
+
+def test_a_text_given_as_an_option_is_named_as_the_option_and_wins_over_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUTORIAL_GPT_TEXT", str(tmp_path / "not-this.txt"))
+    with pytest.raises(SystemExit) as stop:
+        make_workload("gpt-cpu", text=str(tmp_path / "missing.txt"))
+    assert re.fullmatch(r"error: cannot read --text \S+missing\.txt \(No such file or directory\); .*", str(stop.value))
 
 
 def test_single_gpu_trains_the_gpt_too(tmp_path):

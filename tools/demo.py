@@ -17,7 +17,7 @@ from tools.jobs import (REPO, free_port, machine_summary, output, python, run, s
                         torchrun_node)
 
 EPOCHS, SAVE_EVERY = 5, 2
-GPT_EPOCHS = 2  # on a CPU an epoch of the help pages takes ~15 s on 2 quiet cores: enough to see words appear
+GPT_EPOCHS = 4  # on a CPU an epoch of the help pages takes ~5 s on 2 quiet cores: 4 are enough to see words appear
 RUN_DIR = REPO / "runs" / "demo"
 GPUS = torch.cuda.device_count()
 
@@ -68,7 +68,7 @@ def main():
     jobs["fsdp.py"] = show("Step 5: FSDP, the model sharded over the ranks", torchrun(
         "fsdp.py", EPOCHS, SAVE_EVERY, nproc="gpu" if GPUS else 2), timeout=args.timeout)
     jobs["gpt.py"] = show("Step 6: a small GPT, 2 micro-batches per optimizer step (no_sync)", torchrun(
-        "gpt.py", GPT_EPOCHS, GPT_EPOCHS, "--grad_accum", 2, "--snapshot_path", "gpt_snapshot.pt",
+        "gpt.py", GPT_EPOCHS, GPT_EPOCHS, "--batch_size", 16, "--grad_accum", 2,
         *(["--precision", "bf16"] if GPUS else []), nproc="gpu" if GPUS else 2), timeout=args.timeout)
 
     fault = show("Step 3 under fire: a worker SIGKILLed, torchrun restarts the group, the job resumes",

@@ -67,6 +67,38 @@ def links(markdown):
     return sorted((text.count("\n", 0, start) + 1, target) for start, target in found)
 
 
+# A file of the repository named in a code span of a page: `utils/loop.py`, `tests/test_gpt.py`, `06_gpt.ipynb`.
+NAMED = re.compile(r"`([\w.*/-]+\.(?:py|md|ipynb|png|sh|sbatch|txt|ini))`")
+# A page of its own named in a Python file's comment or docstring: docs/gpt.md, README.md.
+NAMED_IN_CODE = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.md)\b")
+NOT_OURS = re.compile(r"^(runs/|my_)")  # what a run writes, and the learner's own copies of a starting file
+
+
+def tracked():
+    """The repository's files, by their path from its root (git's list; the folder's files outside a checkout)."""
+    import subprocess
+
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+        files = listed.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        files = [str(path.relative_to(REPO)) for path in REPO.rglob("*") if path.is_file()]
+    return [name for name in files if (REPO / name).exists()]
+
+
+def missing_files(text, files, named=NAMED):
+    """The file names `text` mentions (a path from the root, or a bare name) that no file of `files` matches."""
+    missing = []
+    for name in dict.fromkeys(match[1] for match in named.finditer(text)):
+        if NOT_OURS.match(name):
+            continue
+        pattern = re.escape(name).replace(r"\*", "[^/]*")
+        found = [file for file in files if re.fullmatch(pattern if "/" in name else rf"(.*/)?{pattern}", file)]
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def shown(path):
     """A path from the repository's root when it is inside."""
     return path.relative_to(REPO) if path.is_relative_to(REPO) else path

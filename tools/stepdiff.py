@@ -21,14 +21,20 @@ PREVIOUS = {"gpt.py": "multinode.py"}
 # Budgets: a step script reads in one sitting (lines), and each is a small diff of the one before (changed lines:
 # removed + added, as `diff OLD NEW | grep -c '^[<>]'` counts them).
 BUDGET = (150, 60)
-# multigpu_torchrun.py teaches torchrun and fault-tolerant snapshots at once: the process group in torchrun's store
-# under the keys of its attempt, resuming, atomic writes, a finished job run again. fsdp.py teaches sharding, sharded
-# (collective) snapshots that need step 4's safety checks before and after loading, and FSDP's mixed-precision and
-# offload policies, kept in the script because they are the API the step teaches.
-# gpt.py adds the loop a real model is trained with, each piece a few lines: accumulation with no_sync, mixed
-# precision with a gradient scaler, clipping, a schedule, torch.compile, and a snapshot of everything it depends on
-# (the issue's limit for its diff is 80 changed lines).
-LARGER_BUDGETS = {"multigpu_torchrun.py": (150, 66), "fsdp.py": (170, 75), "gpt.py": (180, 80)}
+# The exceptions, each with its reason: every other step meets BUDGET.
+LARGER_BUDGETS = {
+    # Teaches two things at once, torchrun (its environment, the process group in torchrun's store under the keys of
+    # its attempt) and fault-tolerant snapshots (save, load, resume at the next epoch, a barrier): 65 changed lines.
+    "multigpu_torchrun.py": (150, 65),
+    # Sharding, sharded (collective) snapshots with their swap and step 4's checks around a collective load, the full
+    # model exported at the end, the memory tables, and FSDP's precision and offload policies, which are the API the
+    # step teaches: 170 lines, 66 changed.
+    "fsdp.py": (170, 66),
+    # The loop a real model is trained with, each piece a few lines: accumulation with no_sync, mixed precision with a
+    # gradient scaler, clipping, a schedule that resumes, torch.compile, a snapshot of all the loop depends on, and a
+    # sample of what the model writes: 180 lines, 80 changed (the limit its issue set).
+    "gpt.py": (180, 80),
+}
 BLOCK = re.compile(r"(<!-- diff (\S+) (\S+) -->\n)(.*?)(<!-- end diff -->)", re.S)
 
 

@@ -1,11 +1,16 @@
-"""What every step shares and none of them teaches: the workloads, evaluation and a few small helpers.
+"""What the steps share and none of them teaches: the workloads, evaluation, and the guards a step calls by name.
 
-The step scripts keep the distributed concepts (process group, sampler, DDP wrap, snapshots, ranks, sharding)
-in plain sight; only the parts that are the same in every step live here.
+The step scripts keep the distributed concepts (process group, sampler, DDP wrap, snapshots, ranks, sharding,
+accumulation, precision) in plain sight. What lives here is of two kinds: what several steps share (the workloads,
+evaluate(), per-rank metrics, argument types, the store of a torchrun attempt), and the guards against a mistake or a
+fault that a step needs but does not teach, each one call whose name says what it guards (require_torchrun,
+stop_if_unloadable, require_same_start...; for mp.spawn in step 2, a checked MASTER_PORT and Ctrl-C that stops the
+workers). Written out in the steps they would be a fifth of each script, and the lesson would drown in them.
 """
 from utils import gpt, synthetic, vision
-from utils.helpers import (configure_cpu_threads, exit_without_teardown, positive_int, reason, replacing,
-                           require_a_gpu_each, require_epochs_left, require_same_arguments, require_torchrun,
+from utils.helpers import (configure_cpu_threads, exists_on_any_rank, exit_without_teardown, positive_int,
+                           positive_number, probability, reason, replacing, require_a_gpu_each, require_epochs_left,
+                           require_same_arguments, require_same_start, require_torchrun, stop_if_unloadable,
                            writable_path)
 from utils.launch import attempt_store, rendezvous_port, stop_workers_on_signals
 from utils.memory import log_memory
@@ -26,14 +31,15 @@ WORKLOADS = {
 }
 
 
-def make_workload(name="synthetic", seed=SEED):
-    """Build the named workload. Same name and seed: the same data and initial weights, in any process."""
+def make_workload(name="synthetic", seed=SEED, **options):
+    """Build the named workload. Same name, seed and options: the same data and initial weights, in any process.
+    Options are the builder's own (the GPT's: text, dropout)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
-    return WORKLOADS[name](seed)
+    return WORKLOADS[name](seed, **options)
 
 
-__all__ = ["WORKLOADS", "attempt_store", "configure_cpu_threads", "evaluate", "exit_without_teardown", "log_memory",
-           "log_rank_metrics", "make_workload", "positive_int", "reason", "rendezvous_port", "replacing",
-           "require_a_gpu_each", "require_epochs_left", "require_same_arguments", "require_torchrun",
-           "stop_workers_on_signals", "writable_path"]
+__all__ = ["WORKLOADS", "attempt_store", "configure_cpu_threads", "evaluate", "exists_on_any_rank",
+           "exit_without_teardown", "log_memory", "log_rank_metrics", "make_workload", "positive_int", "positive_number", "probability", "reason",
+           "rendezvous_port", "replacing", "require_a_gpu_each", "require_epochs_left", "require_same_arguments",
+           "require_same_start", "require_torchrun", "stop_if_unloadable", "stop_workers_on_signals", "writable_path"]

@@ -2,23 +2,26 @@
 
 A decoder-only transformer in the style of nanoGPT's character-level Shakespeare model, trained on text that every
 machine already has: the help pages of CPython's own documentation (`pydoc_data.topics`, part of the standard
-library, about 465,000 characters), or a text file of your own named by $TUTORIAL_GPT_TEXT. No download, no files
-exchanged between ranks: every process reads the same text and builds bit-identical tensors and initial weights.
+library, about 465,000 characters), or a UTF-8 text file of your own (a GPT step's `--text FILE`, or
+$TUTORIAL_GPT_TEXT). No download, no files exchanged between ranks: every process reads the same text and builds
+bit-identical tensors and initial weights. The model remembers which text it learned (its state_dict holds the text's
+name, length and hash): loading it into a model of another text stops with one line instead of going on with
+shifted characters.
 
 Two sizes of the same model:
 
-    "cpu"  2 layers, 128 wide, context 64: learns visibly in a few epochs on a laptop's cores
+    "cpu"  2 layers, 4 heads, 64 wide, context 64, no dropout: writes words after a minute on a laptop's cores
     "gpu"  6 layers, 6 heads, 384 wide, context 256, dropout 0.2: nanoGPT's shakespeare-char model, ~10.8M weights
 
 `gpt(seed)` picks "gpu" when CUDA is available and "cpu" otherwise; `gpt_cpu` and `gpt_gpu` pick one by name.
-$TUTORIAL_GPT_DROPOUT overrides the size's dropout (0 for exact comparisons: every rank then computes what one
-process would).
+`dropout=` (a GPT step's `--dropout`, or $TUTORIAL_GPT_DROPOUT) overrides the size's dropout: 0 for exact
+comparisons, where every rank then computes what one process would.
 
-Besides the Workload itself:
-    generate(model, prompt, new_tokens, seed)   a short sample, decoded to text: what the model has learned
-    flops_per_token(model)                      the model FLOPs one trained token costs (for the MFU, utils/loop.py)
+Besides the Workload itself: encode() and decode() between text and token ids, unwrap() to find the GPT inside
+DDP or torch.compile, and flops_per_token(model), what one trained token costs (for the MFU, utils/loop.py).
 """
 import dataclasses
+import hashlib
 import math
 import os
 from collections import OrderedDict
@@ -49,9 +52,12 @@ class GPTConfig:
 
 
 SIZES = {
-    # Small enough for 2 CPU cores: 0.43M weights, ~15 s an epoch on one 2-thread process (REPORT.md). With a few
-    # epochs there is little to over-fit, so little dropout. lr 1e-3 beat 5e-4, 2e-3, 3e-3 and 6e-3 here.
-    "cpu": GPTConfig(n_layer=2, n_head=4, n_embd=128, context=64, dropout=0.1, lr=1e-3, betas=(0.9, 0.99),
+    # Small enough to learn visibly in a minute on 2 CPU cores: 0.12M weights. A learner gives it a few hundred
+    # optimizer steps, far too few to over-fit 0.4M characters, so no dropout (it also cost a third of the speed).
+    # Measured here, one process of 1 thread, 800 steps of 64 sequences on the help pages: held-out loss 1.38 with
+    # lr 6e-3 (1.52 with dropout 0.1); 128 wide at lr 1e-3, as before, is 4x slower a step and had reached 2.25 after
+    # 104 steps. python benchmarks/gpt_learns.py measures it.
+    "cpu": GPTConfig(n_layer=2, n_head=4, n_embd=64, context=64, dropout=0.0, lr=6e-3, betas=(0.9, 0.99),
                      weight_decay=0.1),
     # nanoGPT's config/train_shakespeare_char.py: "baby GPT", batch 64 of 256 characters, lr 1e-3, betas (0.9, 0.99).
     "gpu": GPTConfig(n_layer=6, n_head=6, n_embd=384, context=256, dropout=0.2, lr=1e-3, betas=(0.9, 0.99),
@@ -69,25 +75,32 @@ def help_pages():
     return "".join(topics[key] for key in sorted(topics))  # sorted keys: the same order in every process
 
 
-def load_text(min_chars):
-    """The training text: $TUTORIAL_GPT_TEXT's file if set, else CPython's help pages. One clear line if unusable."""
-    path = os.environ.get(TEXT_VARIABLE)
+def load_text(path, min_chars):
+    """(name, text): the UTF-8 file at `path` (None: $TUTORIAL_GPT_TEXT's), else CPython's help pages. One clear
+    line if the file is unusable."""
+    given = f"--text {path}" if path else f"{TEXT_VARIABLE}={os.environ.get(TEXT_VARIABLE)}"
+    path = path or os.environ.get(TEXT_VARIABLE)
     if not path:
-        return help_pages()
+        return "Python's help pages", help_pages()
     try:
         with open(path, "rb") as file:
             text = file.read().decode("utf-8-sig")  # strict: a wrong byte stops here; a leading BOM is dropped
     except UnicodeDecodeError as error:
-        raise SystemExit(f"error: {TEXT_VARIABLE}={path} is not UTF-8 text (byte {error.start}: "
-                         f"{error.reason}); save it as UTF-8 or unset {TEXT_VARIABLE}") from None
+        raise SystemExit(f"error: {given} is not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8 "
+                         "or leave it out to train on Python's help pages") from None
     except OSError as error:  # missing, a directory, no permission...
-        raise SystemExit(f"error: cannot read {TEXT_VARIABLE}={path} ({error.strerror or type(error).__name__}); "
-                         f"point it at a UTF-8 text file or unset it to train on Python's help pages") from None
+        raise SystemExit(f"error: cannot read {given} ({error.strerror or type(error).__name__}); point it at a UTF-8 "
+                         "text file or leave it out to train on Python's help pages") from None
     text = text.replace("\r\n", "\n")  # the same file checked out on Windows gives the same tokens
     if len(text) < min_chars:
-        raise SystemExit(f"error: {TEXT_VARIABLE}={path} has {len(text):,} characters; this model size needs at "
-                         f"least {min_chars:,} (its held-out tenth must hold a few blocks of its context)")
-    return text
+        raise SystemExit(f"error: {given} has {len(text):,} characters; this model size needs at least "
+                         f"{min_chars:,} (its held-out tenth must hold a few blocks of its context)")
+    return os.path.basename(path), text
+
+
+def text_identity(name, text):
+    """What a model remembers of the text it learns: its name, its length and the start of its SHA-256."""
+    return dict(name=name, characters=len(text), sha256=hashlib.sha256(text.encode()).hexdigest()[:16])
 
 
 def encode(text, vocab):
@@ -202,15 +215,28 @@ class GPT(nn.Sequential):
     the weights, so tying saves next to nothing, and a weight shared by two children cannot be sharded with each.
     """
 
-    def __init__(self, config, vocab):
+    def __init__(self, config, vocab, text=None):
         blocks = [(f"block{i}", Block(config)) for i in range(config.n_layer)]
         super().__init__(OrderedDict([("embed", Embedding(config)), *blocks, ("head", Head(config))]))
         self.config = config
         self.vocab = vocab  # a plain attribute, not a buffer: decoding needs it, the state_dict and DDP do not
+        self.text = text  # text_identity() of what it learns: in the state_dict, see get_extra_state
         self.apply(self._init_weights)
         for name, param in self.named_parameters():  # GPT-2: the layers that write into the residual stream start
             if name.endswith("proj.weight"):  # smaller, so the sum over 2 x n_layer of them starts at unit scale
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def get_extra_state(self):
+        """Saved in the state_dict beside the weights (as `_extra_state`): the text the model learns."""
+        return dict(text=self.text)
+
+    def set_extra_state(self, state):
+        """Loading weights learned on another text would go on with every character's id shifted: refuse."""
+        theirs = state.get("text")
+        if self.text and theirs and theirs["sha256"] != self.text["sha256"]:
+            raise ValueError(f"it holds a GPT of another text ({theirs['name']}, {theirs['characters']:,} characters) "
+                             f"than this run's ({self.text['name']}, {self.text['characters']:,} characters): give "
+                             "the text it was trained on (--text), or another --snapshot_path to start anew")
 
     @staticmethod
     def _init_weights(module):  # GPT-2's: small weights, so the first predictions are near uniform (loss ~ ln V)
@@ -253,15 +279,19 @@ def make_optimizer(model, config):
                              lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 
-def gpt(seed, size=None):
-    """The GPT workload; size "cpu" or "gpu", by default "gpu" when CUDA is available."""
+def gpt(seed, size=None, text=None, dropout=None):
+    """The GPT workload. size: "cpu" or "gpu", by default "gpu" when CUDA is available; text: a UTF-8 file to learn
+    (None: $TUTORIAL_GPT_TEXT's, else Python's help pages); dropout: instead of the size's (None:
+    $TUTORIAL_GPT_DROPOUT's if set)."""
     size = size or ("gpu" if torch.cuda.is_available() else "cpu")
     if size not in SIZES:
         raise ValueError(f"unknown GPT size {size!r}; choose one of {', '.join(SIZES)}")
     config = SIZES[size]
-    if os.environ.get(DROPOUT_VARIABLE):
-        config = dataclasses.replace(config, dropout=float(os.environ[DROPOUT_VARIABLE]))
-    text = load_text(min_chars=10 * 4 * (config.context + 1))  # held-out tenth: at least 4 blocks
+    dropout = os.environ.get(DROPOUT_VARIABLE) if dropout is None else dropout
+    if dropout is not None and dropout != "":
+        config = dataclasses.replace(config, dropout=float(dropout))
+    # The held-out tenth must hold at least 4 blocks.
+    name, text = load_text(text, min_chars=10 * 4 * (config.context + 1))
     vocab = "".join(sorted(set(text)))
     config = dataclasses.replace(config, vocab_size=len(vocab))
     tokens = encode(text, vocab)
@@ -269,49 +299,19 @@ def gpt(seed, size=None):
     train_set, eval_set = blocks_of(tokens[:split], config.context), blocks_of(tokens[split:], config.context)
 
     torch.manual_seed(seed)  # same initial weights in every process (DDP would broadcast rank 0's anyway)
-    model = GPT(config, vocab)
+    model = GPT(config, vocab, text_identity(name, text))
     return Workload(train_set, eval_set, model, lambda model: make_optimizer(model, config), next_token_loss)
 
 
-def gpt_cpu(seed):
-    return gpt(seed, "cpu")
+def gpt_cpu(seed, **options):
+    return gpt(seed, "cpu", **options)
 
 
-def gpt_gpu(seed):
-    return gpt(seed, "gpu")
+def gpt_gpu(seed, **options):
+    return gpt(seed, "gpu", **options)
 
 
-# ---------------------------------------------------------------------------------------------------- looking at it
-
-@torch.no_grad()
-def generate(model, prompt=None, new_tokens=200, seed=0, temperature=1.0, top_k=None):
-    """The prompt followed by `new_tokens` characters sampled from the model, as text. The default prompt is a
-    newline (the start of a line), or the first character of the vocabulary if the text has no newline.
-
-    A generator of its own, seeded: the same model, prompt and seed give the same sample, and the global random
-    state (dropout, shuffling) is left untouched, so sampling mid-training does not change the training run.
-    Under FSDP every rank must call it (each forward all-gathers the weights); under DDP rank 0 alone may.
-    """
-    model = unwrap(model)  # eager and unwrapped: a compiled model would recompile for every new length
-    config, vocab = model.config, model.vocab
-    prompt = ("\n" if "\n" in vocab else vocab[0]) if prompt is None else prompt
-    if not prompt:
-        raise ValueError("generate() needs a prompt of at least one character, e.g. a newline")
-    device = next(model.parameters()).device
-    ids = encode(prompt, vocab).to(device).unsqueeze(0)  # (1, len(prompt))
-    generator = torch.Generator(device).manual_seed(seed)
-    was_training = model.training
-    model.eval()  # no dropout while sampling
-    for _ in range(new_tokens):
-        logits = model(ids[:, -config.context:])[:, -1, :].float() / temperature  # scores for the next character
-        if top_k is not None:  # only the k likeliest characters may be drawn
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        next_id = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-        ids = torch.cat([ids, next_id], dim=1)
-    model.train(was_training)
-    return decode(ids[0], vocab)
-
+# ---------------------------------------------------------------------------------------------------- its cost
 
 def flops_per_token(model_or_config):
     """Model FLOPs to train on one token (forward + backward): 6 N + 12 L H Q T (PaLM appendix B; nanoGPT's MFU).

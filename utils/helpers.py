@@ -3,6 +3,7 @@ clean exit."""
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -19,6 +20,32 @@ def positive_int(text):
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _number(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != value:
+        raise argparse.ArgumentTypeError("expected a number, got nan")
+    return value
+
+
+def positive_number(text):
+    """argparse type: a number > 0; `inf` is one (e.g. a gradient-norm limit that never clips)."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def probability(text):
+    """argparse type: a probability of dropping, from 0 (never: exact comparisons) up to, not including, 1."""
+    value = _number(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be from 0 up to (not including) 1, got {text}")
     return value
 
 
@@ -81,12 +108,34 @@ def reason(error):
     if failures:
         rank, (cause, _) = next(iter(sorted(failures.items())))
         return f"rank {rank}: {reason(cause)}"
-    message = (str(error).strip().splitlines() or [""])[0]
+    lines = str(error).strip().splitlines() or [""]
+    message = lines[0]
+    if message.startswith("Weights only load failed"):
+        # torch.load's long advice to load with weights_only=False is wrong here: a snapshot is tensors and plain
+        # containers. The line that says what it found is the one to show.
+        found = [line.strip() for line in lines[1:] if line.strip() and not line.startswith(("Please", "Check"))]
+        message = "not a file of tensors torch.load can read safely" + (f" ({found[0]})" if found else "")
+    elif message.startswith("Error(s) in loading state_dict for") and len(lines) > 1:
+        message = f"it holds another model than this {message.split()[-1].rstrip(':')}: " + _state_dict_mismatch(lines[1:])
     if isinstance(error, OSError) and error.strerror:
         message = error.strerror + (f": {error.filename}" if error.filename else "")
     if not message and isinstance(error, EOFError):
         message = "the file ends too early (empty, or cut short)"
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def _state_dict_mismatch(lines, most=3):
+    """load_state_dict's complaints, shortened: `missing a, b, c (+9 more); unexpected d (+2 more); ...`."""
+    parts = []
+    for line in lines:
+        kind, _, rest = line.strip().partition(":")
+        keys = re.findall(r'"([^"]+)"', rest)
+        if keys:
+            more = f" (+{len(keys) - most} more)" if len(keys) > most else ""
+            parts.append(f"{kind.split()[0].lower()} {', '.join(keys[:most])}{more}")
+        elif kind.startswith("size mismatch"):
+            parts.append(f"{kind}: another shape")
+    return "; ".join(parts[:3]) or lines[0].strip()
 
 
 def writable_path(path):
@@ -182,6 +231,45 @@ def remove(path):
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.lexists(path):
         os.remove(path)
+
+
+@contextlib.contextmanager
+def stop_if_unloadable(snapshot_path):
+    """Around the loading of a snapshot: whatever goes wrong (garbage bytes, a file cut short, another model's
+    snapshot, a missing key) stops this rank with one line that names the cause, and the file stays where it is.
+
+        with stop_if_unloadable("snapshot.pt"):
+            snapshot = torch.load("snapshot.pt", weights_only=True)
+            model.load_state_dict(snapshot["MODEL_STATE"])
+    """
+    try:
+        yield
+    except BaseException as error:
+        # Ctrl-C and SystemExit go on as they are; DCP's CheckpointException is a BaseException, and is caught.
+        if not isinstance(error, Exception) and type(error).__name__ != "CheckpointException":
+            raise
+        raise SystemExit(f"error: cannot resume from {snapshot_path} ({reason(error)}); it is left in place: move it "
+                         "away to start anew") from None
+
+
+def exists_on_any_rank(path, device):
+    """True on every rank when any rank finds `path`. A collective: call it on every rank. For a snapshot whose
+    loading is itself a collective (DCP's), so that either all ranks load it or none does: a rank that saw no
+    snapshot on its disk then fails to load instead of waiting for the others in a different collective."""
+    found = torch.tensor(os.path.exists(path), device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found)
+
+
+def require_same_start(epochs_run, device):
+    """Stop every rank with one line unless all of them resume from the same epoch. Each node reads the snapshot
+    from its own disk: if the nodes do not share that storage, one resumes while another starts over, and their
+    collectives stop matching. A collective: call it on every rank once the snapshot is loaded (or not)."""
+    seen = torch.tensor([epochs_run, -epochs_run], device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    if seen[0] != -seen[1]:
+        raise SystemExit(f"error: ranks resume from different epochs ({-int(seen[1])} to {int(seen[0])}): put "
+                         "--snapshot_path on storage that every node shares")
 
 
 def require_epochs_left(epochs_run, total_epochs, snapshot_path):

@@ -66,7 +66,7 @@ def _stop_on_ctrl_c(signum, _frame):
 def attempt_store(timeout_s):
     """The store the workers of this torchrun attempt form their process group in: pass it to init_process_group.
 
-    Why: since torch 2.6, torchrun keeps one store for the whole job and hands it to every attempt's workers, and the
+    Why: since torch 2.5, torchrun keeps one store for the whole job and hands it to every attempt's workers, and the
     process group writes each rank's address under the same keys at every attempt. After a restart, a rank can read
     the address of a peer that died with the previous attempt: init_process_group then fails, or waits 5 x its
     timeout (pytorch#135712; TORCHELASTIC_RESTART_COUNT cannot tell attempts apart, each node counts only its own).

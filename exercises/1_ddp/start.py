@@ -16,8 +16,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload, positive_int,
-                   log_rank_metrics, rendezvous_port, replacing, require_a_gpu_each, stop_workers_on_signals)
+from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
+                   positive_int, replacing)
+from utils import rendezvous_port, require_a_gpu_each, stop_workers_on_signals
 
 
 # TODO 1: ddp_setup(rank, world_size, timeout_s): init_process_group (gloo on CPU, nccl on GPU) with a timeout
@@ -45,20 +46,21 @@ class Trainer:
     def _run_epoch(self, epoch):
         start = time.perf_counter()
         # TODO 4: a new shuffle every epoch, the same on every rank
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples]: stays on the device, no per-step sync
+        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
-        log_rank_metrics(epoch, len(self.train_data), totals, start)  # this rank's own totals, not summed over ranks
+        log_rank_metrics(epoch, len(self.train_data), totals, start)
         # TODO 5: sum the totals over the ranks, so that the loss below is every rank's mean
-        mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
+        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "  # TODO 5: rank 0
               f"{samples_per_s:,.0f} samples/s")
 
     def _save_checkpoint(self, epoch):
-        with replacing("checkpoint.pt") as tmp:  # written to a file of its own, then renamed over the last one at once
+        # Written to a file of its own, then renamed over the last one: a crash never leaves half a file.
+        with replacing("checkpoint.pt") as tmp:
             torch.save(self.model.state_dict(), tmp)  # TODO 6: the model inside DDP
         print(f"{self.tag} epoch {epoch} | checkpoint saved to checkpoint.pt")
 
@@ -69,20 +71,20 @@ class Trainer:
                 self._save_checkpoint(epoch)  # TODO 6: one writer is enough
 
 
-def load_train_objs(workload_name):
-    return make_workload(workload_name)  # dataset, held-out split, model, optimizer, loss: one call, every step
+def load_train_objs(args):
+    return make_workload(args.workload)  # data, model, optimizer and loss, as in every step
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
-    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=True)  # TODO 7:
-    # each rank must get its own share of the data
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(),
+                      shuffle=True)  # TODO 7: each rank must get its own share of the data
 
 
 def main(args):  # TODO 8: main(rank, world_size, args): join the group first, leave it (destroy) last
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # TODO 8: this process's own GPU
     print(f"Training on {device}" + ("" if device.type == "cuda" else " (no CUDA device found)"))  # TODO 8: share
     # the cores instead (configure_cpu_threads); __main__ says how many processes run where
-    workload = load_train_objs(args.workload)
+    workload = load_train_objs(args)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
                       args.save_every)

@@ -17,17 +17,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import (WORKLOADS, attempt_store, configure_cpu_threads, evaluate, exit_without_teardown, make_workload,
-                   positive_int, log_rank_metrics, reason, replacing, require_epochs_left, require_torchrun,
-                   writable_path)
+from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
+                   positive_int, replacing)
+from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 
 
-def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+def ddp_setup(timeout_s):
+    # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each process it started.
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process drives its own GPU
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet in torchrun's store,
-                            store=attempt_store(timeout_s), rank=int(os.environ["RANK"]),  # under this attempt's keys
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process its own GPU
+    # The processes meet in torchrun's store, under keys of this attempt's own: after a restart the keys of the
+    # workers that died are still there (docs/steps.md explains). A collective stuck past the timeout fails.
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", store=attempt_store(timeout_s),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timedelta(seconds=timeout_s))
 
 
 class Trainer:
@@ -41,7 +44,7 @@ class Trainer:
         self.save_every = save_every
         self.tag = f"[rank {self.rank}/{dist.get_world_size()} | {device}]"
         # TODO 1: if a snapshot exists, load it (_load_snapshot) and remember how many epochs it has run
-        # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward()
+        # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward().
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
 
     # TODO 2: _load_snapshot(): torch.load(..., weights_only=True); restore model, optimizer and epochs run
@@ -55,22 +58,23 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples]: stays on the device, no per-step sync
+        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
-        log_rank_metrics(epoch, len(self.train_data), totals, start)  # this rank's own totals, not summed over ranks
-        dist.all_reduce(totals)  # summed over ranks (gloo has no AVG): the loss below is every rank's mean
-        mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
+        log_rank_metrics(epoch, len(self.train_data), totals, start)
+        dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
+        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         if self.rank == 0:
             print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
                   f"{samples_per_s:,.0f} samples/s")
 
     def _save_checkpoint(self, epoch):  # TODO 3: a snapshot: model, optimizer and epochs run, replacing the last
-        with replacing("checkpoint.pt") as tmp:  # written to a file of its own, then renamed over the last one at once
+        # Written to a file of its own, then renamed over the last one: a crash never leaves half a file.
+        with replacing("checkpoint.pt") as tmp:  # TODO 3: to self.snapshot_path
             torch.save(self.model.module.state_dict(), tmp)  # .module: the model inside DDP
         print(f"{self.tag} epoch {epoch} | checkpoint saved to checkpoint.pt")
 
@@ -78,24 +82,24 @@ class Trainer:
         for epoch in range(max_epochs):  # TODO 4: start after the epochs already run (none left: say so)
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                if self.rank == 0:  # the replicas are identical: one writer is enough
+                if self.rank == 0:  # the replicas are identical: one writer
                     self._save_checkpoint(epoch)  # TODO 3: then every rank waits until it is on disk
 
 
-def load_train_objs(workload_name):
-    return make_workload(workload_name)  # dataset, held-out split, model, optimizer, loss: one call, every step
+def load_train_objs(args):
+    return make_workload(args.workload)  # data, model, optimizer and loss, as in every step
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
-    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
-                      sampler=DistributedSampler(dataset))  # each rank gets its own 1/world_size of the data
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(),
+                      shuffle=False, sampler=DistributedSampler(dataset))  # each rank its own 1/world_size
 
 
 def main(args):
     ddp_setup(args.timeout)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(dist.get_world_size())  # every process of the job shares this machine's cores
-    workload = load_train_objs(args.workload)
+    configure_cpu_threads(dist.get_world_size())  # the job's processes share this machine's cores
+    workload = load_train_objs(args)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
                       args.save_every)  # TODO 1: and the snapshot path
@@ -104,7 +108,7 @@ def main(args):
     if trainer.rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
     dist.destroy_process_group()
-    exit_without_teardown()  # a gloo thread may still hold tensors: see utils
+    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
 
 
 if __name__ == "__main__":
@@ -117,5 +121,5 @@ if __name__ == "__main__":
     # TODO 5: --snapshot_path (default snapshot.pt, type=writable_path): where to save and resume from
     args = parser.parse_args()
 
-    require_torchrun()  # a clear error for plain `python`, or more processes than GPUs
+    require_torchrun()
     main(args)

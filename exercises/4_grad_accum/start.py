@@ -18,25 +18,29 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import (WORKLOADS, attempt_store, configure_cpu_threads, evaluate, exit_without_teardown, make_workload,
-                   positive_int, log_rank_metrics, reason, replacing, require_epochs_left, require_same_arguments,
-                   require_torchrun, writable_path)
-from utils.gpt import generate
-from utils.loop import check_options, mfu, rng_state, set_rng_state, warmup_cosine
+from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
+                   positive_int, replacing)
+from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
+from utils import require_same_arguments, require_same_start
+from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu, rng_state, set_rng_state
 
 
-def ddp_setup(timeout_s):  # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+def ddp_setup(timeout_s):
+    # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each process it started.
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process drives its own GPU
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",  # meet in torchrun's store,
-                            store=attempt_store(timeout_s), rank=int(os.environ["RANK"]),  # under this attempt's keys
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process its own GPU
+    # The processes meet in torchrun's store, under keys of this attempt's own: after a restart the keys of the
+    # workers that died are still there (docs/steps.md explains). A collective stuck past the timeout fails.
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", store=attempt_store(timeout_s),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timedelta(seconds=timeout_s))
 
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, loss_fn, device, save_every, snapshot_path, args):
-        self.local_rank = int(os.environ["LOCAL_RANK"])  # its number on this node: picks the GPU
-        self.global_rank = int(os.environ["RANK"])  # its number in the whole job: logs, and the one writer
+        # LOCAL_RANK numbers the processes of this node (it picks the GPU); RANK numbers those of the whole job.
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.global_rank = int(os.environ["RANK"])
         self.device = device
         self.model = model.to(device)
         self.train_data = train_data
@@ -44,37 +48,30 @@ class Trainer:
         self.loss_fn = loss_fn
         self.save_every = save_every
         self.args, self.steps_per_epoch = args, -(-len(train_data) // args.grad_accum)  # K micro-batches a step
-        schedule = warmup_cosine(args.total_epochs * self.steps_per_epoch)  # factor per optimizer step: warm-up, cosine
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 gradients underflow
+        self.schedule = WarmupCosine(args.total_epochs * self.steps_per_epoch)  # warm-up, then a cosine
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 underflows otherwise
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)  # None: fp32
-        torch.manual_seed(1 + self.global_rank)  # dropout: every rank draws its own masks (the weights are built)
+        torch.manual_seed(1 + self.global_rank)  # the weights are built: each rank its own dropout masks
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path = snapshot_path
         self.epochs_run = self._load_snapshot() if os.path.exists(snapshot_path) else 0  # epochs already done
-        seen = torch.tensor([self.epochs_run, -self.epochs_run], device=device)  # every node reads its own disk:
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX)  # do all ranks resume from the same epoch?
-        if seen[0] != -seen[1]:
-            raise SystemExit(f"error: ranks resume from different epochs ({-int(seen[1])} to {int(seen[0])}): put "
-                             "--snapshot_path on storage that every node shares")
-        # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward()
+        require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
+        # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward().
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
-        # compile the DDP model, not DDP(compiled): dynamo then cuts the graph at DDP's gradient buckets, so each
-        # bucket's all-reduce still overlaps the rest of backward; .module stays the plain model (no _orig_mod.)
+        # Compile DDP(model), not DDP(compiled): dynamo cuts the graph at DDP's buckets, so all-reduces overlap.
         self.model = torch.compile(self.model) if args.compile else self.model
 
     def _load_snapshot(self):
-        try:  # weights_only: tensors and plain containers, never arbitrary pickled code
-            snapshot = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)
+        with stop_if_unloadable(self.snapshot_path):
+            snapshot = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)  # no pickled code
             self.model.load_state_dict(snapshot["MODEL_STATE"])
             self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
             self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])
             self.scaler.load_state_dict(snapshot["SCALER_STATE"])
-            set_rng_state(snapshot["RNG_STATES"][self.global_rank])  # this rank's dropout, where it left off
+            set_rng_state(snapshot["RNG_STATES"], self.global_rank)  # this rank's dropout, where it left off
             epochs_run = snapshot["EPOCHS_RUN"]
-        except Exception as error:  # garbage bytes, another model's snapshot, a missing key
-            raise SystemExit(f"error: cannot resume from {self.snapshot_path} ({reason(error)}); it is left in place: "
-                             "move it away to start anew")
+        self.schedule.resume(self.scheduler.last_epoch, (self.args.total_epochs - epochs_run) * self.steps_per_epoch)
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
         return epochs_run
 
@@ -88,68 +85,72 @@ class Trainer:
         if True:  # TODO: step (optimizer, scaler, schedule) and zero the gradients only after the last micro-batch
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16's scaled-up ones
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
-            self.scaler.step(self.optimizer)  # skipped when fp16 overflowed (the scaler then lowers its scale)
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skipped when fp16 overflowed: the scale then goes down
             self.scaler.update()
-            self.scheduler.step()  # the schedule counts optimizer steps, not micro-batches
+            if self.scaler.get_scale() >= scale:  # the schedule counts the steps really taken
+                self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples]: stays on the device, no per-step sync
+        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
         batches, K = len(self.train_data), self.args.grad_accum
         for i, (source, targets) in enumerate(self.train_data):
             source, targets = source.to(self.device), targets.to(self.device)
             micro_batches = min(K, batches - i // K * K)  # K, or what is left for the epoch's last step
             totals[0] += self._run_batch(source, targets, micro_batches, i % K + 1 == micro_batches) * len(source)
             totals[1] += len(source)
-        log_rank_metrics(epoch, self.steps_per_epoch, totals, start)  # this rank's own totals, not summed over ranks
-        dist.all_reduce(totals)  # summed over ranks (gloo has no AVG): the loss below is every rank's mean
-        mean_loss = (totals[0] / totals[1]).item()  # .item() waits for the device, so the clock below is honest
-        tokens_per_s = totals[1].item() * source.shape[1] / (time.perf_counter() - start)  # the whole job's
-        utilisation = mfu(self.model, tokens_per_s / dist.get_world_size(), self.device)  # None on a CPU
+        log_rank_metrics(epoch, self.steps_per_epoch, totals, start)
+        dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
+        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
+        samples_per_s = totals[1].item() / (time.perf_counter() - start)
+        tokens_per_s = samples_per_s * source.shape[1]  # the whole job's
+        utilisation = mfu(self.model, tokens_per_s, self.device, self.args.peak_tflops)
         if self.global_rank == 0:
             print(f"{self.tag} epoch {epoch} | steps {self.steps_per_epoch} | loss {mean_loss:.4f} | "
                   f"{tokens_per_s:,.0f} tokens/s" + (f" | MFU {utilisation:.1%}" if utilisation else ""))
 
     def _save_snapshot(self, epoch, rng_states):
+        # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
         snapshot = dict(MODEL_STATE=self.model.module.state_dict(), OPTIMIZER_STATE=self.optimizer.state_dict(),
                         SCHEDULER_STATE=self.scheduler.state_dict(), SCALER_STATE=self.scaler.state_dict(),
-                        RNG_STATES=rng_states, STEPS_RUN=self.scheduler.last_epoch,
-                        EPOCHS_RUN=epoch + 1)  # all it takes to go on exactly (the data order is the sampler's)
-        with replacing(self.snapshot_path) as tmp:  # to a file of its own, then renamed over the last one: atomic, a
-            torch.save(snapshot, tmp)  # crash leaves the last snapshot whole; a failed write is removed and named
+                        RNG_STATES=rng_states, EPOCHS_RUN=epoch + 1)
+        # Written to a file of its own, then renamed over the last one: a crash never leaves half a file.
+        with replacing(self.snapshot_path) as tmp:
+            torch.save(snapshot, tmp)
         print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
-        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)  # a finished job run again says so
+        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                rng_states = [None] * dist.get_world_size()  # every rank's (CPU, CUDA): its own dropout masks
-                dist.all_gather_object(rng_states, rng_state())
+                rng_states = [None] * dist.get_world_size()
+                dist.all_gather_object(rng_states, rng_state())  # every rank's dropout generators
                 if self.global_rank == 0:  # one writer in the whole job, not one per node
                     self._save_snapshot(epoch, rng_states)
-                dist.barrier()  # no rank runs ahead of a snapshot that is not on disk yet
+                dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
 
 
-def load_train_objs(workload_name):
-    return make_workload(workload_name)  # dataset, held-out split, model, optimizer, loss: one call, every step
+def load_train_objs(args):
+    return make_workload(args.workload, text=args.text, dropout=args.dropout)  # data, model, optimizer and loss
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
-    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
-                      sampler=DistributedSampler(dataset))  # each rank gets its own 1/world_size of the data
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(),
+                      shuffle=False, sampler=DistributedSampler(dataset))  # each rank its own 1/world_size
 
 
 def main(args):
-    check_options(args.precision, args.compile)  # fp16 without CUDA, --compile without a compiler: one line
+    check_options(args)  # fp16 without CUDA, --compile without a compiler...: one line, before anything
     ddp_setup(args.timeout)
-    require_same_arguments(args)  # every node started with the same command? Else all stop here, with one line
+    require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only the processes of this node share its cores
-    workload = load_train_objs(args.workload)
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
+    workload = load_train_objs(args)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
                       args.save_every, args.snapshot_path, args)
@@ -160,7 +161,7 @@ def main(args):
         sample = generate(trainer.model, seed=0).strip("\n").splitlines()  # the same seed every run
         print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
     dist.destroy_process_group()
-    exit_without_teardown()  # a gloo thread may still hold tensors: see utils
+    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
 
 
 if __name__ == "__main__":
@@ -170,13 +171,13 @@ if __name__ == "__main__":
     parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")
     parser.add_argument("--workload", default="gpt", choices=[w for w in WORKLOADS if w.startswith("gpt")])
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
-    parser.add_argument("--snapshot_path", default="snapshot.pt", type=writable_path, help="Where to save and resume")
+    parser.add_argument("--snapshot_path", default="gpt_snapshot.pt", type=writable_path, help="Where to save, resume")
     parser.add_argument("--grad_accum", default=1, type=positive_int, help="Micro-batches per optimizer step (K)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="fp16: CUDA only")
-    parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step")
+    parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step (inf: no clip)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (needs a C++ compiler)")
+    add_gpt_arguments(parser)  # --text, --dropout, --peak_tflops
     args = parser.parse_args()
 
-    require_torchrun("torchrun --nnodes=2 --nproc_per_node=1 --rdzv_id=job1 --rdzv_backend=c10d "
-                     "--rdzv_endpoint=HEAD:29500")  # a clear error for plain `python`, or more processes than GPUs
+    require_torchrun()
     main(args)

@@ -53,6 +53,19 @@ def samples(output):
             for match in SAMPLE.finditer(output)]
 
 
+def words_of(text, letters=3):
+    """The words of `text` of at least `letters` letters (runs of ASCII letters), in order."""
+    return re.findall(rf"[A-Za-z]{{{letters},}}", text)
+
+
+def known_words(sample, text, letters=3):
+    """The part of a sample's words (of `letters`+ letters) that are words of `text`: how much of what the model
+    writes is real words of what it learned (0 for random characters; around a half for a model that has begun to
+    spell). None when the sample holds no such word."""
+    written, vocabulary = words_of(sample, letters), set(words_of(text, letters))
+    return sum(word in vocabulary for word in written) / len(written) if written else None
+
+
 def throughputs(output):
     """{epoch: (rate, unit, MFU in % or None)} from the epoch lines (the last report of an epoch wins)."""
     return {int(match["epoch"]): (float(match["rate"].replace(",", "")), match["unit"],
