@@ -22,8 +22,8 @@ ERROR = re.compile(r"^error: .*$", re.M)  # the one line a step prints when it s
 # records ([W1122 12:00:00...]), the rank-prefixed traceback of a worker that failed ([rank1]: ...), a traceback's
 # first line, C++ stack frames, indented lines (but not the "  | " lines of gpt.py's sample), empty lines. By what it
 # says: gloo's errors (a peer that vanished mid-collective), torchrun's summary of the workers that failed.
-LAUNCHER_NOISE = re.compile(r"^(?:\[?[WEI]\d{4} |\[rank\d+\]:|Traceback \(|frame #|Exception raised from|\s(?! \| )|$)"
-                            r"|/gloo/|gloo::|GLHF|Connection (?:reset|closed)|ChildFailedError|"
+LAUNCHER_NOISE = re.compile(r"^(?:\[?[WEI]\d{4} |\[rank\d+\]:|Traceback \(|frame #|Exception raised from|"
+                            r"\s(?! \| )|$)|/gloo/|gloo::|GLHF|Connection (?:reset|closed)|ChildFailedError|"
                             r"torch\.distributed\.elastic|ProcessRaisedException|process \d+ terminated|DistBackendError")
 
 
