@@ -155,13 +155,13 @@ class Job:
     def __enter__(self):
         return self
 
+    def __exit__(self, *_):
+        self.stop()
+
     @property
     def cwd(self):
         """The folder the first node ran in (where a one-node job's files are)."""
         return self.cwds[0]
-
-    def __exit__(self, *_):
-        self.stop()
 
     # --- following it -------------------------------------------------------------------------------------------
 
