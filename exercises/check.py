@@ -28,29 +28,26 @@ sys.path.insert(0, str(REPO))  # run as `python exercises/check.py` from anywher
 import torch  # noqa: E402
 
 from tools.jobs import PYTHON, free_port, run, saved_name, shown, torchrun, torchrun_node  # noqa: E402
-from tools.jobs.output import epoch_losses  # noqa: E402
+from tools.jobs.output import epoch_losses, noise  # noqa: E402
 from utils import make_workload  # noqa: E402
 
-EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes", 4: "4_grad_accum", 5: "5_tensor_parallel"}
+EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes", 4: "4_grad_accum",  # their folders in exercises/
+             5: "5_tensor_parallel"}
+SOLUTIONS = {1: "multigpu.py", 2: "multigpu_torchrun.py", 3: "multinode.py", 4: "gpt.py",  # the steps that solve them
+             5: "tensor_parallel.py"}
 WORLD_SIZE = 2
 COLLECTIVE_TIMEOUT_S = 60  # passed as --timeout: a stuck collective fails instead of hanging forever (slow starts pass)
 KILLED_EPOCH = 2  # exercise 2 kills rank 1 as it begins this epoch
 SLOW_SAVE_S = 0.5  # exercises 2 and 3 make every save this much slower (a slow disk): a rank that runs ahead shows,
 # even on a busy machine that delays it for a moment
 LOSS_TOLERANCE = 1e-4  # the epoch line prints 4 decimals: a printed loss within this of a value is that value
-# A failed job's output, without what gloo and torchrun print around the learner's own error (a peer that vanished
-# mid-collective, the launcher's summary of failed workers)
-NOISE = re.compile(r"gloo|GLHF|Connection (reset|closed)|ChildFailedError|torch\.distributed\.elastic|"
-                   r"ProcessRaisedException|process \d+ terminated|DistBackendError|Traceback", re.I)
 
 
 def launch(commands, workdirs, record_dir, timeout, kill_at=None, slow_save=None):
     """Run one command per node, each in its directory, until all end or `timeout` s pass (then kill them all);
     the finished job, with what it recorded."""
-    job = run(*commands, cwd=workdirs, logs=record_dir, record=True, kill_at=kill_at, slow_save=slow_save,
-              timeout=timeout, check=False)
-    job.limit = timeout
-    return job
+    return run(*commands, cwd=workdirs, logs=record_dir, record=True, kill_at=kill_at, slow_save=slow_save,
+               timeout=timeout, check=False)
 
 
 def ranks_of(rows):
@@ -105,11 +102,13 @@ def exit_problems(job, script=None):
         if match:
             return [verdict.format(where=traceback_line(output, script, match.start()) or "see its traceback")]
     lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in output.strip().splitlines()]
-    errors = [line for line in lines if re.match(r"(error: |\w+(Error|Exception)\b)", line) and not NOISE.search(line)]
+    # what gloo and torchrun print around the learner's own error (a peer that vanished mid-collective, the launcher's
+    # summary of failed workers) is left out
+    errors = [line for line in lines if re.match(r"(error: |\w+(Error|Exception)\b)", line) and not noise(line)]
     errors = list(dict.fromkeys(errors))  # every rank, every restart says the same: once is enough
     first = output.find(errors[0]) if errors else None  # the learner's line its traceback ends in
     where = traceback_line(output, script, first) if script else None
-    errors = errors[:4] or [line for line in lines if not NOISE.search(line)][-8:]
+    errors = errors[:4] or [line for line in lines if not noise(line)][-8:]
     shown_lines = "\n".join("      " + line for line in errors)
     return [f"it exited with code {failed[0]}" + (f", at {where}" if where else "") +
             f"; what it printed about that:\n{shown_lines}"]
@@ -486,7 +485,11 @@ def accumulation_reference(text):
     source, targets = next(iter(DataLoader(workload.train_set, batch_size=per_step, sampler=sampler)))
     workload.loss_fn(workload.model(source), targets).backward()
     norm = torch.cat([p.grad.flatten() for p in workload.model.parameters()]).double().norm().item()
-    steps_per_epoch = -(-(len(workload.train_set) // WORLD_SIZE // ACCUM_BATCH) // ACCUM_K)
+    # Each rank's micro-batches in an epoch, as the step's DataLoader deals them (the sampler pads the data to a
+    # multiple of the ranks, the last micro-batch may be short); the last optimizer step takes what is left of them.
+    micro_batches = len(DataLoader(workload.train_set, batch_size=ACCUM_BATCH,
+                                   sampler=DistributedSampler(workload.train_set, num_replicas=WORLD_SIZE, rank=0)))
+    steps_per_epoch = -(-micro_batches // ACCUM_K)
     return norm, workload.optimizer.param_groups[0]["lr"], steps_per_epoch
 
 
@@ -537,7 +540,6 @@ def check_grad_accum(script, workdir, say):
            ACCUM_BATCH, "--grad_accum", ACCUM_K, "--timeout", COLLECTIVE_TIMEOUT_S, "--text", text, "--dropout", 0]
     say(f"running: {shown(cmd)}   ({ACCUM_TEXT_CHARS:,} characters of Python's help pages)")
     job = run(cmd, cwd=workdir, logs=workdir / "records", record_steps=True, timeout=120, check=False)
-    job.limit = 120
     problems = exit_problems(job)
     if problems:
         return problems
@@ -630,7 +632,6 @@ def check_two_d(script, workdir, say):
     say(f"running: {shown(cmd)}   (dp 2 x tp 2, dropout 0, on {TP_TEXT_CHARS:,} characters of Python's help pages)")
     job = run(cmd, cwd=workdir, logs=workdir / "records", record=True, timeout=180, check=False,
               env={TEXT_VARIABLE: text, DROPOUT_VARIABLE: 0})
-    job.limit = 180
     problems = two_d_problems(job.samples, two_d_reference(text)) if job.samples else []
     return problems or exit_problems(job, script)
 
@@ -657,8 +658,7 @@ def main():
         print(f"  ✗ {problem}")
     if problems:
         sys.exit(f"{len(problems)} problem(s). Hints: exercises/{EXERCISES[args.exercise]}/hints.md")
-    solutions = ["multigpu.py", "multigpu_torchrun.py", "multinode.py", "gpt.py", "tensor_parallel.py"]
-    print(f"  ✓ all checks passed. Compare with the repository's step: {solutions[args.exercise - 1]}")
+    print(f"  ✓ all checks passed. Compare with the repository's step: {SOLUTIONS[args.exercise]}")
 
 
 if __name__ == "__main__":

@@ -5,12 +5,13 @@ import re
 
 import pytest
 
-from exercises.check import check
+from exercises.check import EXERCISES, SOLUTIONS, accumulation_reference, check, exit_problems
 from tools.jobs import PYTHON, REPO, run, script
+from utils import make_workload
+from utils.gpt import help_pages
 
-STEPS = {1: "multigpu.py", 2: "multigpu_torchrun.py", 3: "multinode.py", 4: "gpt.py", 5: "tensor_parallel.py"}
-STARTS = {1: "exercises/1_ddp/start.py", 2: "exercises/2_survive_a_kill/start.py", 3: "exercises/3_two_nodes/start.py",
-          4: "exercises/4_grad_accum/start.py", 5: "exercises/5_tensor_parallel/start.py"}
+STEPS = SOLUTIONS  # the step each exercise leads to, as the checker names it when all checks pass
+STARTS = {number: f"exercises/{folder}/start.py" for number, folder in EXERCISES.items()}
 
 
 @pytest.mark.parametrize("number", sorted(STEPS))
@@ -68,6 +69,22 @@ def test_starting_file_2_starts_over_after_the_kill(tmp_path):
 def test_starting_file_3_trains_out_of_step_when_nodes_have_their_own_disks(tmp_path):
     problems = checked(3, REPO / STARTS[3], tmp_path)
     assert re.search(r"the nodes trained out of step: rank 0 began at epoch 3; rank 1 began at epoch 0", problems)
+
+
+def test_a_run_stopped_at_its_time_limit_is_said_to_have_run_that_long(tmp_path):
+    job = run([PYTHON, "-c", "import time; time.sleep(30)"], cwd=tmp_path, timeout=0.5, check=False)
+    [problem] = exit_problems(job)
+    assert problem.startswith("it did not finish within 0.5 s and was stopped"), problem
+
+
+def test_the_checker_expects_the_optimizer_steps_gpt_py_takes_when_the_data_does_not_split_evenly(tmp_path):
+    """4,700 characters: 66 training blocks, 33 per rank, so 9 micro-batches of at most 4 (the last holds 1) and, with
+    K=2, 5 optimizer steps an epoch, the last on one micro-batch: gpt.py rounds up at each division (the sampler pads,
+    the DataLoader keeps its last short batch, the Trainer's steps per epoch), and so must the checker."""
+    text = tmp_path / "text.txt"
+    text.write_text(help_pages()[:4700])
+    assert len(make_workload("gpt-cpu", text=str(text)).train_set) == 66
+    assert accumulation_reference(text)[2] == 5
 
 
 def test_checker_refuses_a_missing_script(tmp_path, monkeypatch):

@@ -33,7 +33,6 @@ def wide_runs(tmp_path_factory):
         (cwd / "runs").mkdir()
         runs[name] = run(torchrun("fsdp.py", EPOCHS, 1, *WIDE, *options, "--snapshot_path", "runs/snapshot"),
                          cwd=cwd, timeout=180)
-        runs[name].cwd = cwd / "runs"
     return runs
 
 
@@ -51,7 +50,7 @@ def test_fsdp_follows_the_same_loss_trajectory_as_ddp(wide_runs):
 
 
 def test_exported_full_model_is_the_gathered_snapshot_and_loads_without_distributed(wide_runs):
-    cwd = wide_runs["fsdp"].cwd
+    cwd = wide_runs["fsdp"].cwd / "runs"
     assert "[rank 0/2 | local 0 | cpu] full model saved to runs/model_full.pt" in wide_runs["fsdp"].output
     assert not (cwd.parent / "model_full.pt").exists(), "beside the snapshot, not in the working directory"
     assert sorted(path.name for path in cwd.iterdir()) == ["model_full.pt", "snapshot"], "no temporary left behind"
@@ -119,17 +118,24 @@ def test_a_killed_worker_resumes_from_the_sharded_snapshot_after_the_restart(tmp
     assert after_restart[resumed_at] < 0.5 * first_run[0], "the restart did not start from the trained weights"
 
 
-def test_a_corrupt_snapshot_stops_every_rank_with_one_clear_line(tmp_path):
-    (tmp_path / "snapshot").mkdir()
-    (tmp_path / "snapshot" / ".metadata").write_bytes(b"not a checkpoint")
+def test_a_snapshot_set_aside_by_a_cut_short_swap_is_put_back_and_a_corrupt_one_stops_every_rank_with_one_line(
+        tmp_path):
+    """A kill between the two renames of a snapshot folder's swap leaves only the old snapshot, set aside as
+    snapshot.previous/: the next start puts it back (one line, from the one rank whose rename wins) and resumes from
+    it; this one is corrupt, so every rank then stops with one line that names its own cause."""
+    (tmp_path / "snapshot.previous").mkdir()
+    (tmp_path / "snapshot.previous" / ".metadata").write_bytes(b"not a checkpoint")
     job = run(torchrun("fsdp.py", 2, 1), cwd=tmp_path, timeout=120, check=False)
     assert job.returncode not in (0, None)
+    assert job.output.count("snapshot: a save was cut short in the middle of its swap; the snapshot before it, set "
+                            "aside as snapshot.previous, is put back") == 1, job.output
     # one line from each rank; the two ranks write at the same moment, so their lines may run together
     errors = re.findall(r"error: cannot resume from snapshot \((.*?)\); it is left in place", job.output)
     assert len(errors) == 2, job.output
     for cause in errors:  # what went wrong on which rank, not only "CheckpointException ranks:dict_keys([0, 1])"
         assert re.fullmatch(r"rank \d: \w+: .+", cause) and "CheckpointException" not in cause, cause
-    assert (tmp_path / "snapshot" / ".metadata").read_bytes() == b"not a checkpoint"
+    assert (tmp_path / "snapshot" / ".metadata").read_bytes() == b"not a checkpoint"  # put back, left in place
+    assert not (tmp_path / "snapshot.previous").exists()
 
 
 def test_bf16_with_cpu_offload_trains_on_cpu_ranks_as_fp32_does(wide_runs):

@@ -7,7 +7,7 @@ Every job trains on a short excerpt of the help pages (`--text`): 64 training bl
 2 ranks x K=2 micro-batches x batch 4 make 4 optimizer steps an epoch. Each job is shared by the tests that read it
 (a 2-process job costs ~11 s of CPU before its first step)."""
 import argparse
-import os
+import math
 import re
 import runpy
 import shutil
@@ -23,7 +23,7 @@ from expect import assert_bitwise_equal, assert_one_writer
 from tools.jobs import output, run, script, start, torchrun
 from utils import evaluate, make_workload
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
-from utils.loop import PEAK_BF16_FLOPS, PEAK_VARIABLE, WarmupCosine, compiler_missing
+from utils.loop import PEAK_VARIABLE, WarmupCosine, compiler_missing, peak_flops
 
 TEXT_CHARS = 4600  # 90% to train on: 4,140 characters, 64 blocks of 64 (+1) characters; 7 blocks held out
 B, K = 4, 2  # micro-batch per rank, micro-batches per optimizer step
@@ -56,20 +56,16 @@ def accumulated(tmp_path_factory, text):
     """2 ranks x K=2 micro-batches of 4, fp32, dropout 0, 2 epochs; every optimizer step recorded (its learning rate
     and the gradient all-reduces DDP ran for it)."""
     workdir = tmp_path_factory.mktemp("accumulated")
-    job = run(torchrun("gpt.py", EPOCHS, EPOCHS, *gpt_args(text, *ACCUMULATED, "--dropout", 0)), cwd=workdir,
+    return run(torchrun("gpt.py", EPOCHS, EPOCHS, *gpt_args(text, *ACCUMULATED, "--dropout", 0)), cwd=workdir,
               record_steps=True, timeout=180)
-    job.snapshot = load(workdir / SNAPSHOT)
-    return job
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, text):
     """The same with dropout on (0.1), 3 epochs, a snapshot after each: the run a killed one must end exactly like."""
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    job = run(torchrun("gpt.py", 3, 1, *gpt_args(text, *ACCUMULATED, "--dropout", DROPOUT)), cwd=workdir,
+    return run(torchrun("gpt.py", 3, 1, *gpt_args(text, *ACCUMULATED, "--dropout", DROPOUT)), cwd=workdir,
               record=True, timeout=180)
-    job.workdir = workdir
-    return job
 
 
 def untrained_held_out_loss(text, workload="gpt-cpu"):
@@ -124,11 +120,11 @@ def test_the_gpt_learns_reports_tokens_per_s_and_prints_a_sample(uninterrupted, 
     assert all(unit == "tokens" and rate > 0 and mfu is None for rate, unit, mfu in rates.values()), rates  # CPU
     [(steps, sample)] = output.samples(job.output)
     assert steps == 3 * STEPS_PER_EPOCH and len(sample) >= 190, sample  # 200 characters after the prompt
-    assert_one_writer(job.writes, job.workdir / SNAPSHOT)
+    assert_one_writer(job.writes, job.cwd / SNAPSHOT)
 
 
 def test_the_snapshot_holds_everything_the_loop_depends_on(uninterrupted):
-    snapshot = load(uninterrupted.workdir / SNAPSHOT)
+    snapshot = load(uninterrupted.cwd / SNAPSHOT)
     assert set(snapshot) == {"MODEL_STATE", "OPTIMIZER_STATE", "SCHEDULER_STATE", "SCALER_STATE", "RNG_STATES",
                              "EPOCHS_RUN"}
     assert snapshot["EPOCHS_RUN"] == 3
@@ -151,7 +147,7 @@ def test_two_ranks_accumulating_two_micro_batches_of_b_end_where_one_process_wit
     Adam hardly sees the scale of the gradients (and clipping to 1 hides more), so the weights alone would not show
     micro-batch losses left undivided by K: each step's all-reduced gradient (recorded by a DDP communication hook)
     must also have the norm of the mean over the step's 16 samples, not K times it."""
-    two_ranks = accumulated.snapshot["MODEL_STATE"]
+    two_ranks = load(accumulated.cwd / SNAPSHOT)["MODEL_STATE"]
     reference, norms = train_in_one_process(text, 2 * K * B)
     assert two_ranks.keys() == reference.keys()
     for name, tensor in tensors(reference).items():
@@ -211,7 +207,7 @@ def test_a_snapshot_resumes_on_more_ranks_than_wrote_it_with_the_schedule_going_
     where the schedule stood (step 12 of 24) and the 12 planned steps left are fitted to the 3 this run takes: no jump
     back up a cosine recomputed for the new command, no stop half-way down the old one."""
     planned = WarmupCosine(6 * STEPS_PER_EPOCH)
-    snapshot = load(uninterrupted.workdir / SNAPSHOT)
+    snapshot = load(uninterrupted.cwd / SNAPSHOT)
     for schedule in snapshot["SCHEDULER_STATE"]["lr_lambdas"]:
         schedule.update(vars(planned))
     snapshot["SCHEDULER_STATE"]["_last_lr"] = [LR * planned(12)] * 2
@@ -278,7 +274,7 @@ def test_a_worker_killed_mid_training_with_dropout_on_resumes_to_a_bitwise_ident
         [code] = job.wait(timeout=150)
     assert code == 0, job.output
     assert job.resumes and min(job.resumes.values()) >= 1, f"it did not resume from a snapshot:\n{job.output}"
-    assert_bitwise_equal(load(tmp_path / SNAPSHOT), load(uninterrupted.workdir / SNAPSHOT))
+    assert_bitwise_equal(load(tmp_path / SNAPSHOT), load(uninterrupted.cwd / SNAPSHOT))
 
 
 # --- torch.compile -------------------------------------------------------------------------------------------------
@@ -431,6 +427,25 @@ def test_fsdp_shards_the_gpt_block_by_block_and_trains_it(text, tmp_path):
     assert output.held_out(job.output)["loss"] < 0.8 * untrained_held_out_loss(text), job.output
 
 
+# --- the MFU's peak -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
+    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100 80GB PCIe", 312), ("NVIDIA L4", 121), ("NVIDIA L40", 181),
+    ("NVIDIA L40S", 362), ("NVIDIA A10", 125), ("NVIDIA A10G", None), ("NVIDIA GeForce RTX 4090", 165),
+    ("NVIDIA GeForce RTX 3090", 71), ("NVIDIA B200", None), ("Tesla T4", None),
+])
+def test_the_peak_of_a_gpu_is_its_own_datasheets_and_an_unknown_one_has_none(monkeypatch, name, tflops):
+    """Names as torch.cuda.get_device_name() gives them. Each card gets its own figure, never one whose name is part of
+    its own (the L40 is not an L4, the H100 NVL not the SXM H100, the A10G not the A10); a card the table does not
+    hold has no peak, so no MFU is printed for it (TUTORIAL_PEAK_TFLOPS then gives one)."""
+    monkeypatch.delenv(PEAK_VARIABLE, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops("cuda:0") == (None if tflops is None else tflops * 1e12)
+    monkeypatch.setenv(PEAK_VARIABLE, "50")
+    assert peak_flops("cuda:0") == 50e12
+
+
 # --- GPUs ------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -441,7 +456,7 @@ def test_bf16_and_compile_train_on_gpus_with_one_all_reduce_per_step(tmp_path):
     job = run(torchrun("gpt.py", 2, 2, "--precision", "bf16", "--compile", "--grad_accum", K, nproc=nproc),
               cwd=tmp_path, gpu=True, record_steps=True, timeout=600)
     assert job.losses[1] < job.losses[0] and "| cuda:0]" in job.output, job.output
-    if os.environ.get("TUTORIAL_PEAK_TFLOPS") or any(name in torch.cuda.get_device_name() for name in PEAK_BF16_FLOPS):
+    if peak_flops("cuda") is not None:  # a GPU of the table, or $TUTORIAL_PEAK_TFLOPS
         assert all(mfu is not None and 0 < mfu < 100 for _, _, mfu in output.throughputs(job.output).values())
     assert {step["rounds"] for step in job.steps} == {1}, job.steps
 
@@ -453,7 +468,8 @@ def test_fp16_with_a_gradient_scaler_trains_on_gpus_and_saves_the_scaler(tmp_pat
               gpu=True, timeout=300)
     assert job.losses[1] < job.losses[0], job.output
     scaler = load(tmp_path / SNAPSHOT)["SCALER_STATE"]
-    assert scaler["scale"] > 0 and scaler["_growth_tracker"] >= 0, scaler
+    # an enabled scaler's state: its scale starts at 2**16 and only halves (an overflow) or doubles from there
+    assert math.log2(scaler["scale"]).is_integer() and scaler["growth_interval"] == 2000, scaler
     rng = load(tmp_path / SNAPSHOT)["RNG_STATES"]
     assert all(cuda is not None for _, cuda in rng), "the CUDA generator's state (dropout on the GPU) is saved"
     # the snapshot is loaded onto the GPU (map_location): its generator states must still go back in

@@ -51,7 +51,6 @@ def pipeline(tmp_path_factory, text, name, *args, nproc=2, **options):
     workdir = tmp_path_factory.mktemp(name)
     job = run(torchrun("pipeline_parallel.py", EPOCHS, EPOCHS, *gpt_args(text, *args), nproc=nproc), cwd=workdir,
               env={RUN_DIR_VARIABLE: workdir / "runs"}, timeout=240, **options)
-    job.workdir = workdir
     return job
 
 
@@ -70,7 +69,6 @@ def gpipe(tmp_path_factory, text):
                        launcher_args=["--max_restarts=1"])
     with start(command, cwd=workdir, kill_at=(0, 1, 1), record=True) as job:
         job.wait(timeout=240)
-    job.workdir = workdir
     return job
 
 
@@ -115,7 +113,7 @@ def weights(job):
     """The whole GPT's weights, put together from the stages' snapshot files."""
     whole = {}
     for name in STAGE_FILES:
-        whole.update(tensors(load(job.workdir / name)["MODEL_STATE"]))
+        whole.update(tensors(load(job.cwd / name)["MODEL_STATE"]))
     return whole
 
 
@@ -123,7 +121,7 @@ def epoch_losses(job, last_stage_ranks=(1,)):
     """Each epoch's mean loss over the job's samples, unrounded: from the last stages' per-rank metrics files."""
     totals = {}
     for rank in last_stage_ranks:
-        for line in (job.workdir / "runs" / f"rank{rank}.jsonl").read_text().splitlines():
+        for line in (job.cwd / "runs" / f"rank{rank}.jsonl").read_text().splitlines():
             record = json.loads(line)
             summed, samples = totals.get(record["epoch"], (0.0, 0))
             totals[record["epoch"]] = (summed + record["loss"] * record["samples"], samples + record["samples"])
@@ -164,7 +162,7 @@ def test_gpipe_killed_and_resumed_ends_bit_for_bit_where_1f1b_does(one_f_one_b, 
     assert sorted(re.findall(r"\[rank (\d)/2 \| local \d \| cpu\] resuming from epoch 1, restart 1",
                              gpipe.output)) == ["0", "1"], gpipe.output
     for name in STAGE_FILES:
-        assert_bitwise_equal(load(gpipe.workdir / name), load(one_f_one_b.workdir / name), name)
+        assert_bitwise_equal(load(gpipe.cwd / name), load(one_f_one_b.cwd / name), name)
 
 
 def test_with_two_micro_batches_too(tmp_path_factory, text, reference):
@@ -188,7 +186,7 @@ def test_two_pipelines_of_two_stages_train_what_one_process_does_with_both_batch
 
 
 def test_each_stage_writes_its_own_layers_and_state(one_f_one_b, reference):
-    stage0, stage1 = (load(one_f_one_b.workdir / name) for name in STAGE_FILES)
+    stage0, stage1 = (load(one_f_one_b.cwd / name) for name in STAGE_FILES)
     assert {name.split(".")[0] for name in tensors(stage0["MODEL_STATE"])} == {"embed", "block0"}
     assert {name.split(".")[0] for name in tensors(stage1["MODEL_STATE"])} == {"block1", "head"}
     for snapshot in (stage0, stage1):

@@ -82,7 +82,6 @@ def job_in(folder, *args, nproc, **options):
     folder.mkdir(exist_ok=True)
     job = run(torchrun("tensor_parallel.py", *args, "--workload", "gpt-cpu", nproc=nproc,
                        launcher_args=options.pop("launcher_args", ())), cwd=folder, timeout=240, **options)
-    job.workdir = folder
     return job
 
 
@@ -106,7 +105,7 @@ def alone(tmp_path_factory, two_d, text):
     """The dp 2 x tp 2 snapshot (2 epochs) resumed by one process with --tp 1 (FSDP alone, over one rank), batch 8,
     for a third epoch. Recorded."""
     folder = tmp_path_factory.mktemp("alone")
-    shutil.copytree(two_d.workdir / "snapshot", folder / "snapshot")
+    shutil.copytree(two_d.cwd / "snapshot", folder / "snapshot")
     return job_in(folder, EPOCHS + 1, 1, "--tp", 1, "--batch_size", GLOBAL_BATCH, nproc=1, env=exact(text),
                   record=True)
 
@@ -121,7 +120,7 @@ def recorded_losses(job):
 
 
 def final_weights(job):
-    saved = torch.load(job.workdir / "model_full.pt", map_location="cpu", weights_only=True)
+    saved = torch.load(job.cwd / "model_full.pt", map_location="cpu", weights_only=True)
     return {name: tensor for name, tensor in saved.items() if isinstance(tensor, torch.Tensor)}
 
 
@@ -205,7 +204,7 @@ def test_verbose_shows_each_rank_holding_half_of_every_split_matrix_and_a_quarte
 
 
 def test_every_rank_writes_its_shards_and_rank_0_a_full_model_that_a_plain_gpt_loads(two_d, text):
-    folder = two_d.workdir
+    folder = two_d.cwd
     assert sorted(path.name for path in (folder / "snapshot").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
     dcp_to_torch_save(folder / "snapshot", folder / "gathered.pt")  # the snapshot, put together offline

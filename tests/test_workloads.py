@@ -82,8 +82,12 @@ def tiny_mnist(root, train_size=12, test_size=5):
     return splits
 
 
-def test_every_workload_is_registered():
-    assert set(WORKLOADS) == {"synthetic", "wide", "mnist", "cifar10", "fakedata", "gpt", "gpt-cpu", "gpt-gpu"}
+def test_every_workload_the_steps_take_is_in_the_docs_table_and_every_one_it_lists_is_taken():
+    """`--workload` accepts the names of utils.WORKLOADS; docs/measure.md's table says what each is. A workload added
+    without a row, or a row left for one that is gone, fails here."""
+    table = (REPO / "docs" / "measure.md").read_text().split("| `--workload` |", 1)[1].split("\n\n", 1)[0]
+    listed = {name for cell in re.findall(r"^\| ([^|]+) \|", table, re.M) for name in re.findall(r"`([\w-]+)`", cell)}
+    assert listed == set(WORKLOADS), (sorted(listed), sorted(WORKLOADS))
 
 
 def test_mnist_is_read_from_the_data_dir_in_its_on_disk_format(tmp_path, monkeypatch):

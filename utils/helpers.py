@@ -139,44 +139,98 @@ def _state_dict_mismatch(lines, most=3):
 
 
 def writable_path(path):
-    """argparse type: a file or directory path whose folder exists and takes new files: a snapshot that cannot be
-    written would otherwise be found out only at the first save, SAVE_EVERY epochs in."""
+    """argparse type for --snapshot_path: a file or directory path whose folder exists and takes new files (a snapshot
+    that cannot be written would otherwise be found out only at the first save, SAVE_EVERY epochs in). A snapshot
+    folder that replacing() had set aside when a crash cut its swap short is put back first, so the start resumes
+    from it instead of starting over."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as error:
         raise argparse.ArgumentTypeError(f"cannot write in {folder} ({error.strerror})") from None
+    recover_set_aside(path)
     return path
+
+
+def set_aside_name(path):
+    """Where replacing() keeps the last version of a directory while it renames the new one in."""
+    return f"{path}.previous"
+
+
+def recover_set_aside(path):
+    """Finish what a crash in the middle of replacing()'s swap of a directory left: if `path` is missing and its
+    set-aside copy is there (the crash came between the two renames), rename the copy back and say so; if both are
+    there (it came after), remove the outdated copy. True when this process put one back. Every rank of a job may
+    call it at once: one rename wins."""
+    aside = set_aside_name(path)
+    if not os.path.isdir(aside):
+        return False
+    if os.path.exists(path):
+        remove(aside)
+        return False
+    try:
+        os.rename(aside, path)
+    except OSError:
+        if os.path.exists(path):  # another process of the job put it back first
+            return False
+        raise
+    print(f"{path}: a save was cut short in the middle of its swap; the snapshot before it, set aside as {aside}, "
+          "is put back", flush=True)
+    return True
+
+
+# The temporaries replacing() is writing at this moment: a worker stopped by Ctrl-C removes them (utils.launch).
+UNFINISHED = set()
 
 
 @contextlib.contextmanager
 def replacing(path, tmp=None, rename=True):
-    """Write a new version of `path` to a temporary file (or directory), then rename it over `path` in one atomic
-    step: a crash at any moment leaves either the old version or the new one, whole. The temporary name is this
-    process's own (its pid), so two writers never share one; pass `tmp` when several processes write parts of it.
+    """Write a new version of `path` to a temporary file (or directory), then put it in place of `path`: a crash at
+    any moment leaves either the old version or the new one, whole. The temporary name is this process's own (its
+    pid), so two writers never share one; pass `tmp` when several processes write parts of it.
 
         with replacing("snapshot.pt") as tmp:
             torch.save(snapshot, tmp)
 
+    A file is renamed over the old one in one atomic step. A directory cannot be (os.replace refuses one that is not
+    empty), so the old one is first renamed aside (set_aside_name), the new one renamed in, and the old one removed:
+    a crash between the two renames leaves only the set-aside copy, which the next start puts back (writable_path).
+
     A failed write (a full disk, say) removes the partial file and stops with one line that names the cause; the
-    last version stays. `rename=False`: this process wrote its part only; another one renames.
+    last version stays. Ctrl-C (KeyboardInterrupt) and SystemExit remove it too, and go on as they are.
+    `rename=False`: this process wrote its part only; another one renames.
     """
     tmp = tmp or f"{path}.{os.getpid()}.tmp"
+    UNFINISHED.add(tmp)
     try:
         yield tmp
     except BaseException as error:
-        if not isinstance(error, Exception) and type(error).__name__ != "CheckpointException":  # (DCP's is a
-            raise  # BaseException); Ctrl-C and SystemExit go on as they are
         folder = os.path.dirname(os.path.abspath(path))
         full = shutil.disk_usage(folder).free < 1 << 20  # torch.save says only "unexpected pos ..." on a full disk
-        shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else os.remove(tmp) if os.path.exists(tmp) else 0
+        remove(tmp)
+        if not isinstance(error, Exception) and type(error).__name__ != "CheckpointException":  # (DCP's is a
+            raise  # BaseException); Ctrl-C and SystemExit go on as they are
         cause = f"no space left on the disk of {folder}" if full else reason(error)
         raise SystemExit(f"error: cannot write {path} ({cause}); the last one is kept, as it was") from None
-    if rename:
-        if os.path.isdir(path):  # os.replace swaps files atomically, but refuses a directory that is not empty
-            shutil.rmtree(path)
+    finally:
+        UNFINISHED.discard(tmp)
+    if rename and os.path.isdir(path):
+        aside = set_aside_name(path)
+        remove(aside)  # what a crash after the swap left: `path` is whole
+        os.replace(path, aside)
         os.replace(tmp, path)
+        remove(aside)
+    elif rename:
+        os.replace(tmp, path)
+
+
+def remove(path):
+    """Remove a file or a directory tree, if it is there."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,8 @@
 """What the launchers (torchrun, mp.spawn) need that the steps do not teach: a store that is this torchrun attempt's
-own, workers that stop with their launcher, signals passed on to the workers, and a rendezvous port that is checked.
+own, workers that stop with their launcher, signals passed on to the workers (and a torchrun worker's quiet stop on
+Ctrl-C), and a rendezvous port that is checked.
 """
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -12,6 +14,8 @@ import uuid
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from utils.helpers import UNFINISHED, remove
 
 POLL_S = 0.05
 
@@ -25,17 +29,38 @@ def _stop(message):
 
 def _watch(timeout_s, launcher_pid):
     """Background duties of a torchrun worker: stop if its process group has not formed within timeout_s, and stop as
-    soon as its launcher is gone."""
-    deadline = time.monotonic() + timeout_s
+    soon as its launcher is gone, for the whole life of the worker. Once the group has formed, the first duty is done:
+    after destroy_process_group() dist.is_initialized() is False again, and a worker that goes on (evaluating, plotting)
+    must not be taken for one whose group never formed."""
+    deadline, formed = time.monotonic() + timeout_s, False
     while True:
-        if not dist.is_initialized() and time.monotonic() > deadline:
+        formed = formed or dist.is_initialized()
+        if not formed and time.monotonic() > deadline:
             _stop(f"error: rank {os.environ.get('RANK')}: the process group did not form within --timeout "
                   f"{timeout_s} s: a rank did not arrive, or its address cannot be reached (see the troubleshooting "
                   "docs)")
         if os.getppid() != launcher_pid:  # torchrun was killed (SIGKILL leaves it no time to stop its workers)
             _stop(f"error: rank {os.environ.get('RANK')}: torchrun (pid {launcher_pid}) is gone, so this worker "
                   "stops; run the same command again to resume from the last snapshot")
-        time.sleep(1 if dist.is_initialized() else POLL_S)
+        time.sleep(1 if formed else POLL_S)
+
+
+def _stop_on_ctrl_c(signum, _frame):
+    """A torchrun worker's SIGINT handler. A terminal's Ctrl-C reaches torchrun alone (it starts each worker in a
+    session of its own); torchrun then sends SIGINT to every worker, waits for them, and prints its own report. Without
+    this handler each worker prints a KeyboardInterrupt traceback, dozens of lines per rank. With it, the worker
+    removes the temporary it was writing (the last whole snapshot stays), local rank 0 says in one line what is kept
+    and how to go on, and the worker ends at once (exit 130, as after Ctrl-C). Ending here is as safe as a crash, which
+    every file the steps write survives (utils.replacing); what would be left half written is removed first."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not interrupt the stop
+    for tmp in list(UNFINISHED):
+        remove(tmp)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()  # the lines printed so far (a print cut short by the signal may refuse: nothing to lose)
+    if os.environ.get("LOCAL_RANK") == "0":
+        os.write(2, f"error: stopped by {signal.Signals(signum).name} (Ctrl-C), with every worker of this node; the "
+                    "last snapshot saved is kept, and the same command resumes from it\n".encode())
+    os._exit(130)
 
 
 def attempt_store(timeout_s):
@@ -53,9 +78,10 @@ def attempt_store(timeout_s):
 
     It also bounds this worker's life: if the process group has not formed within timeout_s it stops with one line
     (gloo's own connect can wait 5 x the timeout), and if torchrun is gone it stops with one line instead of
-    training on alone, writing the snapshot a new job reads.
+    training on alone, writing the snapshot a new job reads. And Ctrl-C stops it with one line, not a traceback.
     """
     threading.Thread(target=_watch, args=(timeout_s, os.getppid()), daemon=True).start()
+    signal.signal(signal.SIGINT, _stop_on_ctrl_c)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     deadline = time.monotonic() + timeout_s

@@ -92,10 +92,21 @@ def generate(model, prompt=None, new_tokens=200, seed=0, temperature=1.0, top_k=
     return decode(ids[0], vocab)
 
 
-# Dense bf16 peak of common GPUs, FLOP/s (vendors' datasheets, without sparsity). The name is matched as a substring
-# of torch.cuda.get_device_name(); $TUTORIAL_PEAK_TFLOPS overrides (e.g. 989 for an H100 SXM).
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
-                   "L4": 121e12, "A10": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
+# Dense bf16 peak of common GPUs, FLOP/s, by their full name as torch.cuda.get_device_name() gives it, matched
+# exactly: a substring would give an L40 the L4's figure and an H100 NVL the SXM's. The figures are the "BF16 Tensor
+# Core" lines of NVIDIA's datasheets without sparsity (half the figure marked "with sparsity"): the H100 and H200
+# datasheets (SXM, PCIe, NVL), the A100 datasheet (the same figure for its SXM4 and PCIe cards), the L4, L40, L40S
+# and A10 datasheets, and for the GeForce cards the Ampere GA102 and Ada Lovelace architecture whitepapers (with FP32
+# accumulate). The A10G (AWS's card) has no datasheet of NVIDIA's, so it is left out, as is every other name:
+# $TUTORIAL_PEAK_TFLOPS gives any GPU's peak (e.g. 989 for an H100 SXM).
+PEAK_BF16_FLOPS = {
+    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12,
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA L4": 121e12, "NVIDIA L40": 181e12, "NVIDIA L40S": 362e12, "NVIDIA A10": 125e12,
+    "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
+}
 PEAK_VARIABLE = "TUTORIAL_PEAK_TFLOPS"
 
 
@@ -107,8 +118,7 @@ def peak_flops(device, peak_tflops=None):
         return float(peak_tflops) * 1e12
     if torch.device(device).type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+    return PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device))
 
 
 def mfu(model, tokens_per_s, device, peak_tflops=None):

@@ -100,7 +100,8 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU jobs stay CPU jobs on a machine with GPUs
-    paths = [str(RECORDER)] if record_dir or kill_at or skip_all_reduce or stall_init is not None else []
+    injected = kill_at or skip_all_reduce or stall_init is not None or slow_save
+    paths = [str(RECORDER)] if record_dir or injected else []
     paths += [str(extra.pop("PYTHONPATH", "")), str(REPO), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     if record_dir:
@@ -126,16 +127,18 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
 class Job:
     """A running (then finished) job: one command per node. See the module's docstring; start() makes one.
 
-    cwd: the folder each node runs in (one for all, or a list); logs: where the logs and records go (default: the
-    first node's folder); env: extra variables for every node, node_env: a dict per node on top of them;
-    record_steps (implies record): every optimizer step's learning rate and gradient all-reduces too.
+    cwd: the folder each node runs in (one for all, or a list; `cwds` holds them, `cwd` the first node's); logs: where
+    the logs and records go (default: the first node's folder); env: extra variables for every node, node_env: a dict
+    per node on top of them; record_steps (implies record): every optimizer step's learning rate and gradient
+    all-reduces too. `limit`: the seconds wait() gave it (None until then).
     """
 
     def __init__(self, *commands, cwd, env=None, node_env=None, gpu=False, record=False, kill_at=None,
                  skip_all_reduce=None, stall_init=None, slow_save=None, logs=None, record_steps=False):
-        cwds = list(cwd) if isinstance(cwd, (list, tuple)) else [cwd] * len(commands)
+        self.cwds = [Path(folder) for folder in (cwd if isinstance(cwd, (list, tuple)) else [cwd] * len(commands))]
+        self.limit = None
         self.commands = [[str(part) for part in command] for command in commands]
-        self.logs_dir = Path(logs or cwds[0])
+        self.logs_dir = Path(logs or self.cwds[0])
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.recorded = record = record or record_steps
         env = environment(env, gpu, self.logs_dir if record else None, kill_at, skip_all_reduce, stall_init,
@@ -144,7 +147,7 @@ class Job:
         self.began, self.timeline, self.codes = time.monotonic(), [], None
         self._offsets, self._queue = [0] * len(commands), []
         self.procs = []
-        for node, (command, folder, log) in enumerate(zip(self.commands, cwds, self.logs)):
+        for node, (command, folder, log) in enumerate(zip(self.commands, self.cwds, self.logs)):
             with open(log, "w") as out:
                 self.procs.append(subprocess.Popen(
                     command, cwd=folder, env=dict(env, **(node_env[node] if node_env else {})), stdout=out,
@@ -155,6 +158,11 @@ class Job:
 
     def __exit__(self, *_):
         self.stop()
+
+    @property
+    def cwd(self):
+        """The folder the first node ran in (where a one-node job's files are)."""
+        return self.cwds[0]
 
     # --- following it -------------------------------------------------------------------------------------------
 
@@ -245,6 +253,7 @@ class Job:
     def wait(self, timeout, echo=None):
         """Wait for every node (one deadline for all), following the output; whatever still runs at the deadline is
         killed with its whole tree. Returns the exit codes, None for a node stopped at the deadline."""
+        self.limit = timeout
         deadline = time.monotonic() + timeout
         while self.running() and time.monotonic() < deadline:
             self.new_lines(echo)
@@ -304,17 +313,24 @@ class Job:
 
     @property
     def samples(self):
-        return recorded_samples(self.logs_dir)
+        """One dict per completed pass over a DataLoader, in the order they ended: pid, rank, restart, sampler (class
+        name), epoch (its set_epoch value, or None), number (the pass's number in its process), ddp (the model was
+        wrapped in DDP), mesh (the rank's coordinates in a named device mesh, e.g. {"dp": 0, "tp": 1}, or None),
+        indices (the samples, in training order), and what the recorder's docstring lists."""
+        return self.records("samples.jsonl")
 
     @property
     def steps(self):
-        return recorded_steps(self.logs_dir)
+        """One dict per optimizer step of a job recorded with record_steps, in the order they were taken: pid, rank,
+        restart, step (its number in its process), lr (the learning rate it used), rounds (gradient all-reduce rounds
+        since the step before: one per backward that synced), buckets, grad_norms (each round's all-reduced gradient
+        norm). A process without DDP has rounds 0."""
+        return self.records("steps.jsonl")
 
     def records(self, name):
         """The JSON lines of one of the recorder's files (saves.jsonl, exits.jsonl...; the recorder says what each
         holds)."""
-        path = self.logs_dir / name
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return recorded(self.logs_dir, name)
 
     def writers(self):
         """(ranks that wrote files, the files' names): a temporary file counts under the name it was renamed to."""
@@ -340,21 +356,10 @@ def recorded_writes(folder):
     return [(int(pid), None if rank == "-" else int(rank), file) for pid, rank, file in rows]
 
 
-def recorded_samples(folder):
-    """One dict per completed pass over a DataLoader of a recorded job, in the order they ended: pid, rank, restart,
-    sampler (class name), epoch (its set_epoch value, or None), number (the pass's number in its process), ddp (the
-    model was wrapped in DDP), mesh (the rank's coordinates in a named device mesh, e.g. {"dp": 0, "tp": 1}, or None),
-    indices (the samples, in training order)."""
-    path = Path(folder) / "samples.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def recorded_steps(folder):
-    """One dict per optimizer step of a job recorded with record_steps, in the order they were taken: pid, rank,
-    restart, step (its number in its process), lr (the learning rate it used), rounds (gradient all-reduce rounds
-    since the step before: one per backward that synced), buckets, grad_norms (each round's all-reduced gradient
-    norm). A process without DDP has rounds 0."""
-    path = Path(folder) / "steps.jsonl"
+def recorded(folder, name):
+    """The JSON lines of one of the recorder's files in `folder` (samples.jsonl, steps.jsonl, saves.jsonl...), as
+    dicts, in order; [] when the job wrote none."""
+    path = Path(folder) / name
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 

@@ -18,10 +18,13 @@ HELD_OUT = re.compile(TAG + r" held-out (?P<samples>\d+) samples \| loss (?P<los
 # gpt.py's generated text: a header line, then the sample's lines, each indented by "  | "
 SAMPLE = re.compile(TAG + r" sample after (?P<steps>\d+) optimizer steps:\n(?P<text>(?:  \| .*(?:\n|$))*)")
 ERROR = re.compile(r"^error: .*$", re.M)  # the one line a step prints when it stops on bad input or a fault
-# What launchers and the C++ layer print around the steps' own lines: torchrun's log records ([W1122 12:00:00...]),
-# the rank-prefixed traceback of a worker that failed ([rank1]: ...), C++ stack frames, indented lines (but not the
-# "  | " lines of gpt.py's sample).
-LAUNCHER_NOISE = re.compile(r"^(?:\[?[WEI]\d{4} |\[rank\d+\]:|frame #|Exception raised from|\s(?! \| )|$)")
+# What launchers, gloo and the C++ layer print around the steps' own lines. By how a line starts: torchrun's log
+# records ([W1122 12:00:00...]), the rank-prefixed traceback of a worker that failed ([rank1]: ...), a traceback's
+# first line, C++ stack frames, indented lines (but not the "  | " lines of gpt.py's sample), empty lines. By what it
+# says: gloo's errors (a peer that vanished mid-collective), torchrun's summary of the workers that failed.
+LAUNCHER_NOISE = re.compile(r"^(?:\[?[WEI]\d{4} |\[rank\d+\]:|Traceback \(|frame #|Exception raised from|"
+                            r"\s(?! \| )|$)|/gloo/|gloo::|GLHF|Connection (?:reset|closed)|ChildFailedError|"
+                            r"torch\.distributed\.elastic|ProcessRaisedException|process \d+ terminated|DistBackendError")
 
 
 def epoch_losses(output):
@@ -75,9 +78,14 @@ def errors(output):
     return ERROR.findall(output)
 
 
+def noise(line):
+    """True for a line a launcher, gloo or the C++ layer printed (LAUNCHER_NOISE), not the script itself."""
+    return LAUNCHER_NOISE.search(line) is not None
+
+
 def own_lines(output):
     """The steps' own lines, without the launchers' logging and the workers' tracebacks."""
-    return [line for line in output.splitlines() if not LAUNCHER_NOISE.match(line)]
+    return [line for line in output.splitlines() if not noise(line)]
 
 
 def memory_tables(output):

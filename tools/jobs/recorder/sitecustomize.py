@@ -35,8 +35,9 @@ changed; without the variables nothing happens.
     `pass` ("forward" or "backward"), `microbatch`, `began` and `ended` (time.time()), and for a forward `saved`, the
     bytes of the tensors autograd kept for its backward (activations; the stage's parameters not counted). Patched
     in when the job imports torch.distributed.pipelining (importing it costs 1.5 s: jobs without it do not pay).
-- JOB_SLOW_SAVE=`SECONDS`: every torch.save to a file sleeps that long first: a slow disk, so a rank that does not
-  wait for the snapshot to be on disk shows it.
+- JOB_SLOW_SAVE=`SECONDS` (with or without JOB_RECORD_DIR): every torch.save to a file takes that much longer: it
+  sleeps once the bytes are written, before it returns (a slow disk: the file being written is there, not yet
+  renamed into place), so a rank that does not wait for the snapshot to be on disk shows it.
 - JOB_KILL_AT=`RESTART:RANK:EPOCH`: that rank SIGKILLs itself as it begins that epoch in that attempt: a crash at a
   known point (the epoch counts passes over the DataLoader when the sampler has no set_epoch).
 - JOB_SKIP_ALL_REDUCE=`RANK:N`: the process of that global rank skips its N-th torch.distributed.all_reduce and
@@ -85,20 +86,20 @@ def _stack():
             and not frame.filename.startswith("<")]
 
 
-if RECORD_DIR:
+if RECORD_DIR or SLOW_SAVE:
     import torch
 
     _save = torch.save
 
     def _recording_save(obj, f, *args, **kwargs):
         to_file, began = isinstance(f, (str, os.PathLike)), time.time()  # not a stream (DCP's items go to streams)
-        if to_file:  # noted before the write too: a save that a kill cuts short leaves no line in saves.jsonl
+        if to_file and RECORD_DIR:  # noted before the write too: a save that a kill cuts short leaves no saves.jsonl
             _append("begins.jsonl", json.dumps(dict(what="save", pid=os.getpid(), rank=_rank(), restart=_restart(),
                                                     began=began)))
+        result = _save(obj, f, *args, **kwargs)
         if to_file and SLOW_SAVE:
             time.sleep(SLOW_SAVE)
-        result = _save(obj, f, *args, **kwargs)
-        if to_file:
+        if to_file and RECORD_DIR:
             rank = _rank()
             _append("writes.tsv", f"{os.getpid()}\t{'-' if rank is None else rank}\t{os.path.abspath(f)}")
             _append("saves.jsonl", json.dumps(dict(pid=os.getpid(), rank=rank, restart=_restart(),

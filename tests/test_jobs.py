@@ -1,0 +1,46 @@
+"""tools/jobs, the one way the tests, the checker, the demo and the notebooks run jobs, in this process: a slow disk
+that needs no recording, and the steps' own lines told apart from what the launchers print around them."""
+import os
+import runpy
+import time
+
+import torch
+
+from tools.jobs import RECORDER, environment, output
+
+
+def test_slow_save_makes_every_save_slower_without_the_recorder_on(tmp_path, monkeypatch):
+    """The job's processes load the recorder when slow_save alone is asked for, and the recorder then slows every
+    torch.save to a file down, the file already written while it waits (what a kill or Ctrl-C in a slow save meets)."""
+    env = environment(slow_save=0.3)
+    assert str(RECORDER) in env["PYTHONPATH"].split(os.pathsep) and "JOB_RECORD_DIR" not in env
+    monkeypatch.setenv("JOB_SLOW_SAVE", env["JOB_SLOW_SAVE"])
+    monkeypatch.delenv("JOB_RECORD_DIR", raising=False)
+    monkeypatch.setattr(torch, "save", torch.save)  # what the recorder replaces is put back after the test
+    runpy.run_path(str(RECORDER / "sitecustomize.py"))
+    path = tmp_path / "snapshot.pt.123.tmp"
+    sizes = []
+    monkeypatch.setattr(time, "sleep", lambda seconds: sizes.append((seconds, path.stat().st_size)))
+    torch.save({"EPOCHS_RUN": 1}, path)
+    assert len(sizes) == 1 and sizes[0][0] == 0.3 and sizes[0][1] > 0, sizes
+    assert torch.load(path)["EPOCHS_RUN"] == 1
+
+
+def test_own_lines_are_the_steps_lines_without_torchruns_report_or_gloos_errors():
+    printed = """2 processes on gloo (no CUDA)
+[rank 0/2 | cpu] epoch 0 | steps 32 | loss 0.9000 | 9,000 samples/s
+[rank 0/2 | local 0 | cpu] sample after 8 optimizer steps:
+  | def main():
+W1123 08:53:25.374000 27389 torch/distributed/elastic/agent/server/api.py:753] Received 2 death signal
+[rank1]: Traceback (most recent call last):
+[rank1]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer
+RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 4000ms for recv
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1142, in <module>
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+error: stopped by SIGINT (Ctrl-C), with every worker of this node; the last snapshot saved is kept
+"""
+    assert output.own_lines(printed) == [
+        "2 processes on gloo (no CUDA)", "[rank 0/2 | cpu] epoch 0 | steps 32 | loss 0.9000 | 9,000 samples/s",
+        "[rank 0/2 | local 0 | cpu] sample after 8 optimizer steps:", "  | def main():",
+        "error: stopped by SIGINT (Ctrl-C), with every worker of this node; the last snapshot saved is kept"]
