@@ -16,7 +16,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
-from utils import rendezvous_port, require_a_gpu_each, stop_workers_on_signals
+from utils import rendezvous_port, require_a_gpu_each
+from utils import stop_on_signals
 
 
 def ddp_setup(rank, world_size, timeout_s):
@@ -115,5 +116,5 @@ if __name__ == "__main__":
     world_size = require_a_gpu_each(args.world_size or torch.cuda.device_count() or 2, "--world_size")
     print(f"{world_size} processes " + ("on NCCL, one per GPU" if torch.cuda.is_available() else "on gloo (no CUDA)"))
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=rendezvous_port())  # rank 0 listens there
-    stop_workers_on_signals()  # Ctrl-C stops the workers too
+    stop_on_signals()  # Ctrl-C: one line, and the last checkpoint whole
     mp.spawn(main, args=(world_size, args), nprocs=world_size)

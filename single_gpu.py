@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from utils import (WORKLOADS, evaluate, log_rank_metrics, make_workload,
                    positive_int, replacing)
+from utils import stop_on_signals
 
 
 class Trainer:
@@ -84,4 +85,5 @@ if __name__ == "__main__":
     parser.add_argument("--workload", default="synthetic", choices=WORKLOADS, help="What to train")
     args = parser.parse_args()
 
+    stop_on_signals()  # Ctrl-C: one line, and the last checkpoint whole
     main(args)

@@ -332,6 +332,21 @@ def test_nodes_started_with_different_arguments_stop_before_training_with_one_li
     assert not job.losses and not (tmp_path / "snapshot.pt").exists()
 
 
+def test_ctrl_c_to_the_one_device_step_stops_it_with_one_line_and_keeps_the_checkpoint(tmp_path):
+    """Step 1 has no launcher and no workers: Ctrl-C (SIGINT to its process group, as a terminal sends it) used to
+    print Python's KeyboardInterrupt traceback."""
+    with start(python("single_gpu.py", 200, 1, "--batch_size", 8), cwd=tmp_path) as job:
+        job.wait_for(r"epoch 1 \| checkpoint saved", timeout=STARTUP)
+        os.killpg(job.procs[0].pid, signal.SIGINT)
+        [code] = job.wait(timeout=30)
+    assert code == 1, (code, job.output[-3000:])
+    after = job.output.split("checkpoint saved to checkpoint.pt\n")[-1].splitlines()
+    assert after[-1] == "error: stopped by SIGINT; the checkpoint on disk is the last one saved", job.output[-2000:]
+    assert "Traceback" not in job.output and all(line.startswith("[cpu] epoch ") for line in after[:-1]), after
+    assert not list(tmp_path.glob("*.tmp")), "the save under way, if any, is undone"
+    make_workload().model.load_state_dict(torch.load(tmp_path / "checkpoint.pt", weights_only=True))  # whole
+
+
 def test_ctrl_c_to_the_process_that_spawned_the_workers_stops_them_at_once_and_keeps_the_checkpoint(tmp_path):
     """`kill -INT` to `python multigpu.py` alone (not its process group): the workers used to train on to the last
     epoch, then the parent printed a traceback."""

@@ -26,8 +26,9 @@ BUDGET = (150, 60)
 # The exceptions, each with its reason: every other step meets BUDGET.
 LARGER_BUDGETS = {
     # Teaches two things at once, torchrun (its environment, the process group in torchrun's store under the keys of
-    # its attempt) and fault-tolerant snapshots (save, load, resume at the next epoch, a barrier): 65 changed lines.
-    "multigpu_torchrun.py": (150, 65),
+    # its attempt) and fault-tolerant snapshots (save, load, resume at the next epoch, a barrier): 66 changed lines,
+    # one of them the import of step 2's Ctrl-C handler, which torchrun's workers do not need (they have their own).
+    "multigpu_torchrun.py": (150, 66),
     # Sharding, sharded (collective) snapshots with their swap and step 4's checks around a collective load, the full
     # model exported at the end, the memory tables, and FSDP's precision and offload policies, which are the API the
     # step teaches: 170 lines, 66 changed.

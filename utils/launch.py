@@ -107,17 +107,20 @@ def attempt_store(timeout_s):
     return dist.PrefixStore(f"attempt{attempt}", store)
 
 
-def stop_workers_on_signals():
-    """In the process that starts the workers with mp.spawn: SIGINT (Ctrl-C, `kill -INT`) and SIGTERM stop the workers
-    too, at once, and end this process with one line. Without it only this process is interrupted, and Python's exit
-    then waits for the workers, which train on to the last epoch."""
+def stop_on_signals():
+    """In a step's own process (step 1's, or step 2's, which starts the workers with mp.spawn): SIGINT (Ctrl-C,
+    `kill -INT`) and SIGTERM end it with one line, and stop its workers too, at once. Without it Python prints a
+    KeyboardInterrupt traceback, and step 2's exit waits for the workers, which train on to the last epoch. A torchrun
+    worker has a handler of its own (attempt_store installs it). A save under way is undone (utils.replacing removes
+    the file being written), so the checkpoint on disk is the last one saved, whole."""
     def stop(signum, _frame):
-        for worker in multiprocessing.active_children():
+        workers = multiprocessing.active_children()
+        for worker in workers:
             worker.terminate()  # SIGTERM: the files they write are replaced atomically, so none is left half written
-        for worker in multiprocessing.active_children():
+        for worker in workers:
             worker.join(timeout=10)
-        raise SystemExit(f"error: stopped by {signal.Signals(signum).name}, with every worker; the checkpoint on disk "
-                         "is the last one saved")
+        raise SystemExit(f"error: stopped by {signal.Signals(signum).name}" + (", with every worker" if workers else "")
+                         + "; the checkpoint on disk is the last one saved")
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop)

@@ -18,7 +18,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
-from utils import rendezvous_port, require_a_gpu_each, stop_workers_on_signals
+from utils import rendezvous_port, require_a_gpu_each
+from utils import stop_on_signals
 
 
 # TODO 1: ddp_setup(rank, world_size, timeout_s): init_process_group (gloo on CPU, nccl on GPU) with a timeout
@@ -104,4 +105,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
 
     # TODO 9: world_size processes (one GPU each), MASTER_ADDR and a free MASTER_PORT, then mp.spawn(main, ...)
-    main(args)
+    stop_on_signals()  # Ctrl-C: one line, and the last checkpoint whole
+    main(args)  # TODO 9: mp.spawn instead
