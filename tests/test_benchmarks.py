@@ -131,3 +131,13 @@ def test_pipeline_bubble_measures_each_schedule_against_the_formula_and_draws_a_
                       r"(\d) \([\d.]+ MiB\) \| (\d) \([\d.]+ MiB\) \|$", text, re.M)
     assert rows == [("gpipe", "1", "50", "1", "1"), ("gpipe", "2", "33", "2", "2"), ("1f1b", "2", "33", "2", "1")], text
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_gpt_precision_compares_each_variant_with_fp32_from_real_runs(monkeypatch, capsys):
+    """Two real runs of gpt.py (fp32, bf16) on a short text: a row each, and each ratio is its tokens/s over fp32's."""
+    text = run_benchmark(monkeypatch, capsys, "gpt_precision.py", "--variants", "fp32", "bf16", "--epochs", 2,
+                         "--chars", 6000, "--batch_size", 8)
+    rows = {name: (float(rate.replace(",", "")), float(ratio)) for name, rate, ratio in
+            re.findall(r"^\| (\S+) \| \d+ \| [\d,]+ \| ([\d,]+) \| ([\d.]+)x \| n/a \|$", text, re.M)}
+    assert list(rows) == ["fp32", "bf16"], text
+    assert rows["fp32"][1] == 1.0 and rows["bf16"][1] == pytest.approx(rows["bf16"][0] / rows["fp32"][0], abs=0.006)
