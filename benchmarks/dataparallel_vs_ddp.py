@@ -13,6 +13,7 @@ therefore compares one process training the whole batch with DDP's processes (gl
 a fair picture of "one process or several", not of DataParallel, and it prints so.
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -21,12 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `utils` without installing anything
-from tools.jobs import free_port  # noqa: E402
+from tools.jobs import free_port, spawned_result  # noqa: E402
 from utils import (WORKLOADS, configure_cpu_threads, exit_without_teardown, make_workload,  # noqa: E402
                    positive_int)
 
@@ -67,8 +67,7 @@ def run_dataparallel(args):
     return args.batch_size * (args.steps - args.warmup) / seconds
 
 
-def ddp_worker(rank, world_size, port, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def ddp_worker(rank, world_size, args, result_path):
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world_size,
@@ -81,15 +80,23 @@ def ddp_worker(rank, world_size, port, args, results):
     seconds = torch.tensor(timed_steps(model, workload, device, data, args.warmup), device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the job is as fast as its slowest process
     if rank == 0:
-        results.put(args.batch_size * (args.steps - args.warmup) / seconds.item())  # a SimpleQueue: written at once
+        Path(result_path).write_text(json.dumps(args.batch_size * (args.steps - args.warmup) / seconds.item()))
     dist.destroy_process_group()
     exit_without_teardown()  # as the step scripts do: a gloo thread may still hold tensors at interpreter exit
 
 
 def run_ddp(args, world_size):
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(ddp_worker, args=(world_size, free_port(), args, results), nprocs=world_size)
-    return results.get()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return spawned_result(ddp_worker, (world_size, args), world_size, args.timeout, f"DDP with {world_size} processes")
+
+
+def report(args, gpus, world_size, dataparallel, ddp):
+    """The measured samples/s of both ways, and DDP's against DataParallel's (on a CPU: one process's)."""
+    label = "DataParallel" if gpus else "one process (DataParallel is a no-op without CUDA)"
+    print(f"{args.workload}: global batch {args.batch_size}, {args.steps - args.warmup} timed steps")
+    print(f"  {label:<52} {dataparallel:>12,.0f} samples/s")
+    print(f"  {f'DDP, {world_size} processes':<52} {ddp:>12,.0f} samples/s")
+    print(f"  DDP / {'DataParallel' if gpus else 'one process'}: {ddp / dataparallel:.2f}x")
 
 
 def main():
@@ -99,6 +106,7 @@ def main():
     parser.add_argument("--warmup", default=5, type=positive_int, help="First steps left out of the timing")
     parser.add_argument("--batch_size", default=256, type=positive_int, help="Global batch, split over devices")
     parser.add_argument("--world_size", type=positive_int, help="DDP processes (default: every GPU, or 2 on CPU)")
+    parser.add_argument("--timeout", default=600, type=positive_int, help="Seconds the DDP processes may take")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
     world_size = args.world_size or gpus or 2
@@ -118,11 +126,7 @@ def main():
               "(gloo), each on its share.")
     dataparallel = run_dataparallel(args)
     ddp = run_ddp(args, world_size)
-    label = "DataParallel" if gpus else "one process (DataParallel is a no-op without CUDA)"
-    print(f"{args.workload}: global batch {args.batch_size}, {args.steps - args.warmup} timed steps")
-    print(f"  {label:<52} {dataparallel:>12,.0f} samples/s")
-    print(f"  {f'DDP, {world_size} processes':<52} {ddp:>12,.0f} samples/s")
-    print(f"  DDP / {'DataParallel' if gpus else 'one process'}: {ddp / dataparallel:.2f}x")
+    report(args, gpus, world_size, dataparallel, ddp)
 
 
 if __name__ == "__main__":

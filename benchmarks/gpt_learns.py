@@ -27,6 +27,19 @@ from utils import evaluate, make_workload, positive_int  # noqa: E402
 GOALS = dict(seconds=90, held_out=1.8, known_words=1 / 3)
 
 
+def report(epochs, steps, seconds, held_out, untrained, sample, known):
+    """The run's figures and, for each goal, whether they meet it ({goal: True or False}, printed too)."""
+    print(f"\n{epochs} epochs, {steps} optimizer steps in {seconds:.0f} s (the whole command)")
+    print(f"held-out loss {held_out:.3f} (untrained: {untrained:.3f})")
+    print("sample:\n" + "\n".join("  | " + line for line in sample.strip("\n").splitlines()))
+    print(f"words of 3+ letters that are words of the text: {'none written' if known is None else f'{known:.0%}'}")
+    met = {"time": seconds <= GOALS["seconds"], "held-out loss": held_out <= GOALS["held_out"],
+           "words": known is not None and known >= GOALS["known_words"]}
+    print(f"goals (within {GOALS['seconds']} s, held-out <= {GOALS['held_out']}, >= a third of the words real): " +
+          ", ".join(f"{name} {'met' if ok else 'NOT met'}" for name, ok in met.items()))
+    return met
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=positive_int, default=10, help="TOTAL_EPOCHS (SAVE_EVERY: half of them)")
@@ -53,14 +66,7 @@ def main():
     held_out = output.held_out(printed)["loss"]
     [(steps, sample)] = output.samples(printed)
     known = output.known_words(sample, help_pages()[:args.chars])
-    print(f"\n{args.epochs} epochs, {steps} optimizer steps in {seconds:.0f} s (the whole command)")
-    print(f"held-out loss {held_out:.3f} (untrained: {before:.3f})")
-    print("sample:\n" + "\n".join("  | " + line for line in sample.strip("\n").splitlines()))
-    print(f"words of 3+ letters that are words of the text: {known:.0%}")
-    met = {"time": seconds <= GOALS["seconds"], "held-out loss": held_out <= GOALS["held_out"],
-           "words": known is not None and known >= GOALS["known_words"]}
-    print(f"goals (within {GOALS['seconds']} s, held-out <= {GOALS['held_out']}, >= a third of the words real): " +
-          ", ".join(f"{name} {'met' if ok else 'NOT met'}" for name, ok in met.items()))
+    met = report(args.epochs, steps, seconds, held_out, before, sample, known)
     print(machine_summary())
     return dict(seconds=seconds, held_out=held_out, known_words=known, met=met)
 

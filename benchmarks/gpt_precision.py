@@ -26,6 +26,34 @@ VARIANTS = {"fp32": [], "bf16": ["--precision", "bf16"], "fp32+compile": ["--com
             "bf16+compile": ["--precision", "bf16", "--compile"], "fp16": ["--precision", "fp16"]}
 
 
+def measure(name, args, text, scratch, gpus):
+    """One run of gpt.py as variant `name` asks, in `scratch`: the whole run's seconds, epoch 0's tokens/s, the
+    fastest later epoch's, and the best later MFU (None where the GPU is unknown)."""
+    # A snapshot of its own: the next variant must not resume this one's.
+    command = torchrun("gpt.py", args.epochs, args.epochs, "--batch_size", args.batch_size, "--text", text,
+                       "--dropout", 0, "--snapshot_path", scratch / f"{name}.pt", *VARIANTS[name], nproc=gpus or 1)
+    print(f"$ {shown(command)}", flush=True)
+    began = time.perf_counter()
+    # One CPU process may use every core (the job runner gives a process one thread by default).
+    job = run(command, cwd=scratch, gpu=True, timeout=args.timeout, env={"OMP_NUM_THREADS": None} if not gpus else None)
+    rates = output.throughputs(job.output)
+    return dict(seconds=time.perf_counter() - began, first=rates[0][0],
+                best=max(rate for epoch, (rate, _, _) in rates.items() if epoch > 0),
+                mfu=max((mfu or 0) for epoch, (_, _, mfu) in rates.items() if epoch > 0) or None)
+
+
+def report(rows, gpus, args):
+    """The table of the variants' figures ({name: measure()'s dict}), each against fp32 (or the first, without it)."""
+    base = rows.get("fp32", next(iter(rows.values())))["best"]
+    print(f"\n{'GPU' if gpus else 'CPU'}, {gpus or 1} process(es), batch {args.batch_size}, {args.chars:,} characters:")
+    print("| variant | whole run (s) | epoch 0 tokens/s | later epochs: tokens/s | against fp32 | MFU |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, row in rows.items():
+        mfu = f"{row['mfu']:.1f}%" if row["mfu"] else "n/a"
+        print(f"| {name} | {row['seconds']:.0f} | {row['first']:,.0f} | {row['best']:,.0f} | "
+              f"{row['best'] / base:.2f}x | {mfu} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS,
@@ -55,29 +83,10 @@ def main():
             if name == "fp16" and not gpus:
                 print("fp16: left out (CUDA only)")
                 continue
-            # A snapshot of its own: the next variant must not resume this one's.
-            command = torchrun("gpt.py", args.epochs, args.epochs, "--batch_size", args.batch_size, "--text", text,
-                               "--dropout", 0, "--snapshot_path", Path(scratch) / f"{name}.pt", *VARIANTS[name],
-                               nproc=gpus or 1)
-            print(f"$ {shown(command)}", flush=True)
-            began = time.perf_counter()
-            # One CPU process may use every core (the job runner gives a process one thread by default).
-            job = run(command, cwd=Path(scratch), gpu=True, timeout=args.timeout,
-                      env={"OMP_NUM_THREADS": None} if not gpus else None)
-            rates = output.throughputs(job.output)
-            rows[name] = dict(seconds=time.perf_counter() - began, first=rates[0][0],
-                              best=max(rate for epoch, (rate, _, _) in rates.items() if epoch > 0),
-                              mfu=max((mfu or 0) for epoch, (_, _, mfu) in rates.items() if epoch > 0) or None)
+            rows[name] = measure(name, args, text, Path(scratch), gpus)
     if not rows:
         sys.exit("error: no variant could run here")
-    base = rows.get("fp32", next(iter(rows.values())))["best"]
-    print(f"\n{'GPU' if gpus else 'CPU'}, {gpus or 1} process(es), batch {args.batch_size}, {args.chars:,} characters:")
-    print("| variant | whole run (s) | epoch 0 tokens/s | later epochs: tokens/s | against fp32 | MFU |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, row in rows.items():
-        mfu = f"{row['mfu']:.1f}%" if row["mfu"] else "n/a"
-        print(f"| {name} | {row['seconds']:.0f} | {row['first']:,.0f} | {row['best']:,.0f} | "
-              f"{row['best'] / base:.2f}x | {mfu} |")
+    report(rows, gpus, args)
     print(machine_summary())
     return rows
 

@@ -85,6 +85,17 @@ def compare(workload_name, args, device):
     return min(times["trainer"]), min(times["bare"]), steps, epochs
 
 
+def row(name, trainer, bare, steps):
+    """A workload's row of the table, from its seconds per step with the Trainer and with the bare loop."""
+    return f"| {name} | {steps} | {bare * 1e3:.3f} | {trainer * 1e3:.3f} | {trainer / bare:.3f}x |"
+
+
+def verdict(ratios):
+    """The worst of the workloads' Trainer / bare ratios against the goal."""
+    worst = max(ratios)
+    return f"worst ratio {worst:.3f}x (goal <= {GOAL:.2f}x): {'met' if worst <= GOAL else 'NOT met'}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=["synthetic", "fakedata"], choices=WORKLOADS,
@@ -103,13 +114,12 @@ def main():
     print(f"single_gpu.py Trainer vs a bare loop on {device}, {args.threads} CPU thread(s), batch {args.batch_size}, "
           f"{args.rounds} rounds; {machine_summary()}", flush=True)
     print("| workload | steps/epoch | bare ms/step | Trainer ms/step | ratio |\n|---|---:|---:|---:|---:|")
-    worst = 0.0
+    ratios = []
     for name in args.workloads:
         trainer, bare, steps, _ = compare(name, args, device)
-        worst = max(worst, trainer / bare)
-        print(f"| {name} | {steps} | {bare * 1e3:.3f} | {trainer * 1e3:.3f} | {trainer / bare:.3f}x |", flush=True)
-    print(f"\nworst ratio {worst:.3f}x (goal <= {GOAL:.2f}x): {'met' if worst <= GOAL else 'NOT met'}\n"
-          f"at the end: {machine_summary()}")
+        ratios.append(trainer / bare)
+        print(row(name, trainer, bare, steps), flush=True)
+    print(f"\n{verdict(ratios)}\nat the end: {machine_summary()}")
 
 
 if __name__ == "__main__":

@@ -130,6 +130,23 @@ def table(rows):
     return "\n".join(lines)
 
 
+def report(measured, draw, plot_path):
+    """From the recorded steps of each configuration (measure()'s list): the table, each schedule's idle fractions
+    against the formula, and the plot of the fastest steps at M = `draw`."""
+    rows = [summary(*configuration) for configuration in measured]
+    rows.sort(key=lambda row: (row["M"], row["schedule"] != "gpipe"))
+    print(f"\n{table(rows)}\n")
+    for schedule in ("gpipe", "1f1b"):
+        mine = [row for row in rows if row["schedule"] == schedule]
+        print(f"{schedule}: mean idle " + ", ".join(f"M={r['M']} {r['mean_idle']:.0%} (formula {r['formula']:.0%})"
+                                                   for r in mine))
+    drawn = {f"{'GPipe' if row['schedule'] == 'gpipe' else '1F1B'}, M={row['M']}: {row['ms']:.0f} ms":
+             row["events"] for row in rows if row["M"] == draw}
+    Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+    pipeline_timeline.plot(drawn, plot_path, "One optimizer step of 2 pipeline stages (the fastest of its "
+                                             "configuration): F = forward, B = backward of a micro-batch")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--microbatches", type=positive_int, nargs="+", default=[1, 2, 4, 8],
@@ -157,18 +174,7 @@ def main():
         text_path = Path(scratch) / "help_pages.txt"
         text_path.write_text(help_pages()[:args.chars])
         measured = measure(args, str(text_path), scratch)
-    rows = [summary(*configuration) for configuration in measured]
-    rows.sort(key=lambda row: (row["M"], row["schedule"] != "gpipe"))
-    print(f"\n{table(rows)}\n")
-    for schedule in ("gpipe", "1f1b"):
-        mine = [row for row in rows if row["schedule"] == schedule]
-        print(f"{schedule}: mean idle " + ", ".join(f"M={r['M']} {r['mean_idle']:.0%} (formula {r['formula']:.0%})"
-                                                   for r in mine))
-    drawn = {f"{'GPipe' if row['schedule'] == 'gpipe' else '1F1B'}, M={row['M']}: {row['ms']:.0f} ms":
-             row["events"] for row in rows if row["M"] == args.draw}
-    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-    pipeline_timeline.plot(drawn, args.plot, "One optimizer step of 2 pipeline stages (the fastest of its "
-                                             "configuration): F = forward, B = backward of a micro-batch")
+    report(measured, args.draw, args.plot)
     print(f"plot: {args.plot}\n{time.perf_counter() - began:.0f} s; at the end: {machine_summary()}")
 
 

@@ -25,17 +25,9 @@ def epoch_seconds(match):
     return TRAIN_SAMPLES / float(match["rate"].replace(",", ""))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=positive_int, default=50)
-    parser.add_argument("--save_every", type=positive_int, default=10)
-    parser.add_argument("--kill_after", type=positive_int, default=15, help="kill the last rank after this epoch")
-    parser.add_argument("--nproc", type=positive_int, default=2)
-    parser.add_argument("--timeout", type=positive_int, default=300, help="seconds before the job is given up")
-    args = parser.parse_args()
-    if not args.save_every <= args.kill_after < args.epochs - 1:
-        parser.error("--kill_after must come after the first snapshot and leave epochs to train after the kill")
-
+def measure(args):
+    """Run the job, kill its last rank after epoch --kill_after; the moments that matter, in seconds since the launch
+    (the kill's `killed`) or since the kill (`to_*`), and the job's timeline of lines."""
     with tempfile.TemporaryDirectory(prefix="recovery-") as workdir:
         command = torchrun("multigpu_torchrun.py", args.epochs, args.save_every, nproc=args.nproc,
                            launcher_args=["--max_restarts=1"])
@@ -58,13 +50,19 @@ def main():
     if code != 0:
         sys.exit(f"error: the job {'ran past --timeout' if code is None else f'exited {code}'}; its output ends:\n"
                  f"{text[-3000:]}")
+    return dict(victim_rank=victim_rank, victim=victim, cold_line=cold_line, cold_step=cold_step, killed=killed,
+                resumed_from=int(resumed["epoch"]), to_resume=to_resume, to_line=to_line, to_step=to_step,
+                timeline=job.timeline)
 
-    before_kill = [(seconds, line) for seconds, _, line in job.timeline if seconds <= killed]
+
+def report(args, timeline, killed, resumed_from, victim_rank, victim, cold_step, cold_line, to_resume, to_step,
+           to_line):
+    """The cold start against the recovery, and the work the kill cost, from measure()'s figures."""
+    before_kill = [(seconds, line) for seconds, _, line in timeline if seconds <= killed]
     epochs_before_kill = max(int(match["epoch"]) for _, line in before_kill for match in [output.EPOCH.search(line)]
                              if match)
-    resumed_from = int(resumed["epoch"])
     snapshot_epoch = resumed_from - 1  # the snapshot the job resumed from: written after this epoch
-    snapshot_at = next(seconds for seconds, _, line in job.timeline for match in [output.SAVED.search(line)]
+    snapshot_at = next(seconds for seconds, _, line in timeline for match in [output.SAVED.search(line)]
                        if match and int(match["epoch"]) == snapshot_epoch)
     redone = epochs_before_kill + 1 - resumed_from
     print(machine_summary())
@@ -81,6 +79,19 @@ def main():
           + (f" (epochs {resumed_from}-{epochs_before_kill})" if redone else "")
           + " plus the one in progress, trained again:")
     print(f"             {max(0.0, killed - snapshot_at):.2f} s of training between that snapshot and the kill")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=positive_int, default=50)
+    parser.add_argument("--save_every", type=positive_int, default=10)
+    parser.add_argument("--kill_after", type=positive_int, default=15, help="kill the last rank after this epoch")
+    parser.add_argument("--nproc", type=positive_int, default=2)
+    parser.add_argument("--timeout", type=positive_int, default=300, help="seconds before the job is given up")
+    args = parser.parse_args()
+    if not args.save_every <= args.kill_after < args.epochs - 1:
+        parser.error("--kill_after must come after the first snapshot and leave epochs to train after the kill")
+    report(args, **measure(args))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Restart reliability: how often the tutorial's torchrun job resumes after a worker is SIGKILLed, and how long it takes.
+"""Restart reliability: how often the tutorial's torchrun job resumes after a worker is SIGKILLed, and how long it
+takes.
 
     python benchmarks/restarts.py --kills 10              # 10 jobs on one node (2 processes), one kill each
     python benchmarks/restarts.py --kills 3 --nnodes 2    # two torchrun agents on this machine, one process each
@@ -8,8 +9,8 @@ Each job is `multigpu_torchrun.py` (or `multinode.py` on two nodes) with `--max_
 rendezvous store, as the tutorial's command runs it. Once the first snapshot is saved, a worker (the last rank; on two
 nodes, node 1's) is SIGKILLed after a random part of an epoch (as long as epoch 0 took; seeded: the same parts every
 run). A kill counts as recovered when the restarted workers print `resuming from epoch N` and the job exits 0; the
-times run from the kill to that line. Failed restarts show up as restarts that never resume (torchrun then gives up: exit non-zero)
-and as gloo's connection errors in the output.
+times run from the kill to that line. Failed restarts show up as restarts that never resume (torchrun then gives up:
+exit non-zero) and as gloo's connection errors in the output.
 """
 import argparse
 import random
@@ -34,8 +35,8 @@ def one_kill(number, args, fraction):
         if args.nnodes == 1:
             commands = [torchrun("multigpu_torchrun.py", args.epochs, *STEP_ARGS, launcher_args=["--max_restarts=1"])]
         else:
-            node = torchrun_node("multinode.py", args.epochs, *STEP_ARGS, endpoint=f"127.0.0.1:{free_port()}", run_id=f"kill{number}",
-                                 launcher_args=["--max_restarts=1"])
+            node = torchrun_node("multinode.py", args.epochs, *STEP_ARGS, endpoint=f"127.0.0.1:{free_port()}",
+                                 run_id=f"kill{number}", launcher_args=["--max_restarts=1"])
             commands = [node] * args.nnodes
         with start(*commands, cwd=workdir, env=FRESH_STORE if args.fresh_store else None) as job:
             rate = job.wait_for(output.EPOCH, timeout=args.timeout)["rate"]  # the job's samples/s in epoch 0
@@ -56,6 +57,19 @@ def one_kill(number, args, fraction):
     return pause, to_resume is not None and codes == [0] * args.nnodes, to_resume, codes, errors
 
 
+def row(number, pause, ok, seconds, codes, errors):
+    """A job's row of the table, from what one_kill() measured."""
+    resumed_after = "-" if seconds is None else f"{seconds:.1f} s"
+    return f"| {number} | {pause:.2f} s | {'yes' if ok else 'NO'} | {resumed_after} | {codes} | {errors} |"
+
+
+def summary(results):
+    """How many of the jobs (one_kill()'s results) resumed, and how long the kill -> resume took for those."""
+    times = [seconds for _, ok, seconds, _, _ in results if ok]
+    return f"resumed {len(times)} of {len(results)}" + (f"; kill -> resume median {statistics.median(times):.1f} s, "
+                                                       f"max {max(times):.1f} s" if times else "")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=positive_int, default=10, help="jobs to run, one kill each (default 10)")
@@ -72,15 +86,9 @@ def main():
           "|---:|---:|---|---:|---|---:|")
     results = []
     for number in range(args.kills):
-        pause, *result = one_kill(number, args, moments.random())
-        results.append(result)
-        ok, seconds, codes, errors = result
-        print(f"| {number} | {pause:.2f} s | {'yes' if ok else 'NO'} | "
-              f"{'-' if seconds is None else f'{seconds:.1f} s'} | {codes} | {errors} |", flush=True)
-    times = [seconds for ok, seconds, _, _ in results if ok]
-    print(f"\nresumed {len(times)} of {args.kills}" + (f"; kill -> resume median {statistics.median(times):.1f} s, "
-                                                    f"max {max(times):.1f} s" if times else "")
-          + f"\nat the end: {machine_summary()}")
+        results.append(one_kill(number, args, moments.random()))
+        print(row(number, *results[-1]), flush=True)
+    print(f"\n{summary(results)}\nat the end: {machine_summary()}")
 
 
 if __name__ == "__main__":

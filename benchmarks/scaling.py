@@ -129,18 +129,24 @@ def measure(device_kind, procs, args):
 
 
 def scale(device_kind, max_procs, args):
+    """The measured rows of 1..max_procs processes: procs, and measure()'s figures."""
     rows = []
     for procs in range(1, max_procs + 1):
         rows.append(dict(procs=procs, **measure(device_kind, procs, args)))
         print(f"  {device_kind} N={procs}: DDP {rows[-1]['ddp']:,.0f} samples/s, "
               f"independent {rows[-1]['independent']:,.0f} samples/s", flush=True)
-    for row in rows:
-        row["speedup"] = row["ddp"] / rows[0]["ddp"]
-        row["efficiency"] = row["speedup"] / row["procs"]
-        row["ceiling"] = row["independent"] / rows[0]["independent"]
-        row["of_ceiling"] = row["speedup"] / row["ceiling"]
-        row["cpu_ratio"] = row["independent_per_cpu_s"] / row["ddp_per_cpu_s"]
     return rows
+
+
+def with_ratios(rows):
+    """Each measured row with its ratios to one process (the first row), as the module's docstring defines them."""
+    one, ratioed = rows[0], []
+    for row in rows:
+        speedup, ceiling = row["ddp"] / one["ddp"], row["independent"] / one["independent"]
+        cpu_ratio = row["independent_per_cpu_s"] / row["ddp_per_cpu_s"]
+        ratioed.append(dict(row, speedup=speedup, efficiency=speedup / row["procs"], ceiling=ceiling,
+                            of_ceiling=speedup / ceiling, cpu_ratio=cpu_ratio))
+    return ratioed
 
 
 def table(device_kind, rows):
@@ -159,6 +165,21 @@ def plot(results, out_path, title):
         curves += [(f"{device_kind}: ceiling (independent processes)", procs, [r["ceiling"] for r in rows], "s--", {}),
                    (f"{device_kind}: DDP", procs, [r["speedup"] for r in rows], "o-", {})]
     plot_speedups(curves, "speed-up over one process", out_path, title, ideal=True)
+
+
+def report(measured, plot_path, title):
+    """From the measured rows of each device kind ({kind: scale()'s rows}): its table, what its widest world size
+    reaches, and the plot of them all."""
+    results = {device_kind: with_ratios(rows) for device_kind, rows in measured.items()}
+    for device_kind, rows in results.items():
+        widest = rows[-1]
+        print(f"\n{table(device_kind, rows)}\n\n{device_kind}: {widest['procs']} processes reach "
+              f"{widest['speedup']:.2f}x of one with DDP, {widest['of_ceiling']:.2f} of the {widest['ceiling']:.2f}x "
+              f"that {widest['procs']} independent processes reach on this machine; it spends "
+              f"{widest['cpu_ratio']:.2f}x their CPU time per sample")
+    Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+    plot(results, plot_path, title)
+    print(f"plot: {plot_path}")
 
 
 def main():
@@ -183,19 +204,12 @@ def main():
     print(f"scaling of {args.workload}, batch {args.batch_size} per process, {args.rounds} rounds, on "
           f"{machine_summary()}", flush=True)
     os.environ.pop("TUTORIAL_RUN_DIR", None)  # the trainers' per-rank metrics files are not wanted here
-    results = {}
+    measured = {}
     for device_kind in devices:
-        results[device_kind] = scale(device_kind, args.max_procs or (gpus if device_kind == "gpu" else os.cpu_count()),
-                                     args)
-    for device_kind, rows in results.items():
-        widest = rows[-1]
-        print(f"\n{table(device_kind, rows)}\n\n{device_kind}: {widest['procs']} processes reach "
-              f"{widest['speedup']:.2f}x of one with DDP, {widest['of_ceiling']:.2f} of the {widest['ceiling']:.2f}x "
-              f"that {widest['procs']} independent processes reach on this machine; it spends "
-              f"{widest['cpu_ratio']:.2f}x their CPU time per sample")
-    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-    plot(results, args.plot, f"DDP scaling: {args.workload}, batch {args.batch_size} per process")
-    print(f"plot: {args.plot}\nat the end: {machine_summary()}")
+        measured[device_kind] = scale(device_kind, args.max_procs or (gpus if device_kind == "gpu" else os.cpu_count()),
+                                      args)
+    report(measured, args.plot, f"DDP scaling: {args.workload}, batch {args.batch_size} per process")
+    print(f"at the end: {machine_summary()}")
 
 
 if __name__ == "__main__":
