@@ -2,6 +2,7 @@
 takes.
 
     python benchmarks/restarts.py --kills 10              # 10 jobs on one node (2 processes), one kill each
+    python benchmarks/restarts.py --kills 3 --nproc 1     # one worker per attempt: the cheapest restart
     python benchmarks/restarts.py --kills 3 --nnodes 2    # two torchrun agents on this machine, one process each
     python benchmarks/restarts.py --kills 10 --fresh_store   # with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
@@ -33,10 +34,11 @@ def one_kill(number, args, fraction):
     resume, exit codes, gloo errors seen)."""
     with tempfile.TemporaryDirectory(prefix="restarts-") as workdir:
         if args.nnodes == 1:
-            commands = [torchrun("multigpu_torchrun.py", args.epochs, *STEP_ARGS, launcher_args=["--max_restarts=1"])]
+            commands = [torchrun("multigpu_torchrun.py", args.epochs, *STEP_ARGS, nproc=args.nproc or 2,
+                                 launcher_args=["--max_restarts=1"])]
         else:
             node = torchrun_node("multinode.py", args.epochs, *STEP_ARGS, endpoint=f"127.0.0.1:{free_port()}",
-                                 run_id=f"kill{number}", launcher_args=["--max_restarts=1"])
+                                 run_id=f"kill{number}", nproc=args.nproc or 1, launcher_args=["--max_restarts=1"])
             commands = [node] * args.nnodes
         with start(*commands, cwd=workdir, env=FRESH_STORE if args.fresh_store else None) as job:
             rate = job.wait_for(output.EPOCH, timeout=args.timeout)["rate"]  # the job's samples/s in epoch 0
@@ -74,6 +76,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=positive_int, default=10, help="jobs to run, one kill each (default 10)")
     parser.add_argument("--nnodes", type=int, choices=[1, 2], default=1, help="torchrun agents (default 1)")
+    parser.add_argument("--nproc", type=positive_int, help="workers per agent (default 2 on one node, 1 on two)")
     parser.add_argument("--fresh_store", action="store_true", help="set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     parser.add_argument("--epochs", type=positive_int, default=20, help="epochs per job (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="for the kills' random moments")

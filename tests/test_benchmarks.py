@@ -1,8 +1,8 @@
 """The benchmarks' reports, each on figures made up here (the table's rows, the ratios, the verdict on both sides of
 its goal, the plot), and a few benchmarks run end to end with tiny settings, to show that what they measure is what
-their reports read: a torchrun job through tools/jobs with a worker killed (recovery.py), and workers started by
-spawned_result (pipeline_bubble.py: the recorder's timings of the stages' passes). The figures themselves are the
-benchmarks' business, not the tests'."""
+their reports read: torchrun jobs through tools/jobs with a worker killed (recovery.py and restarts.py, each its own
+way), and workers started by spawned_result (pipeline_bubble.py: the recorder's timings of the stages' passes;
+communication.py: CommDebugMode's counts). The figures themselves are the benchmarks' business, not the tests'."""
 import importlib.util
 import os
 import re
@@ -227,8 +227,7 @@ def test_gpt_learns_reports_each_goal_met_or_not(capsys, seconds, held_out, know
 
 def test_recovery_times_a_real_kill_against_a_cold_start(monkeypatch, capsys):
     """A torchrun job through tools/jobs, its worker SIGKILLed and resumed by torchrun: the timeline and the moments
-    measure() takes are the ones report() reads. restarts.py's one_kill() drives its jobs with the same calls
-    (start, wait_for, kill_worker, wait_for RESUMED) and is left to its unit test and to the runs by hand."""
+    measure() takes are the ones report() reads."""
     text = run_benchmark(monkeypatch, capsys, "recovery.py", "--epochs", 6, "--save_every", 2, "--kill_after", 3,
                          "--nproc", 1)  # one worker per attempt is enough to time a restart
     assert re.search(r"rank 0 \(pid \d+\) SIGKILLed after epoch 3", text), text
@@ -246,6 +245,15 @@ def test_recovery_times_a_real_kill_against_a_cold_start(monkeypatch, capsys):
     else:
         assert lost[3] is None, text
 
+
+def test_restarts_counts_a_real_killed_job_that_resumes(monkeypatch, capsys):
+    """restarts.py kills its own way (a random part of an epoch after the first snapshot, the job's exit codes and
+    gloo's errors counted): what one_kill() returns is what row() and summary() read."""
+    text = run_benchmark(monkeypatch, capsys, "restarts.py", "--kills", 1, "--epochs", 3, "--nproc", 1,
+                         "--timeout", 60)
+    assert re.search(r"^1 jobs, 1 node\(s\), torchrun's shared store", text, re.M), text
+    assert re.search(r"^\| 0 \| [\d.]+ s \| yes \| [\d.]+ s \| \[0\] \| \d+ \|$", text, re.M), text
+    assert re.search(r"^resumed 1 of 1; kill -> resume median [\d.]+ s", text, re.M), text
 
 def test_pipeline_bubble_reads_the_recorders_timings_of_the_spawned_stages(tmp_path, monkeypatch, capsys):
     """Workers started by spawned_result, the recorder timing their passes: the step numbers the workers send back
