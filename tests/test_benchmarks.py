@@ -284,3 +284,33 @@ def test_communication_counts_each_layouts_collectives_per_optimizer_step(monkey
     assert rows["FSDP"][1] == rows["2D"][1] == fsdp, text
     assert rows["TP"][1] == "4 all-reduce over tp (fwd), 4 all-reduce over tp (bwd)", text
     assert re.fullmatch(r"[\d.]+ \(tp\)", rows["TP"][2]) and re.fullmatch(r"[\d.]+ \(dp\)", rows["2D"][2]), text
+
+
+def test_overhead_times_the_trainer_and_the_bare_loop_in_this_process(monkeypatch, capsys):
+    """single_gpu.py's Trainer as the step runs it, against the bare loop: the table's row and the verdict on it."""
+    text = run_benchmark(monkeypatch, capsys, "overhead.py", "--workloads", "synthetic", "--rounds", 1,
+                         "--min_seconds", 0)
+    ratios = re.findall(r"^\| synthetic \| 64 \| [\d.]+ \| [\d.]+ \| ([\d.]+)x \|$", text, re.M)
+    assert len(ratios) == 1, text
+    assert re.search(rf"^worst ratio {re.escape(ratios[0])}x \(goal <= 1.10x\): (met|NOT met)$", text, re.M), text
+
+
+def test_gpt_scaling_trains_gpt_pys_trainer_in_spawned_workers(tmp_path, monkeypatch, capsys):
+    """One spawned worker training gpt.py's Trainer (its options as gpt.py's parser gives them) and the loop without
+    DDP, for each K: the rows and the verdict come from what the worker measured."""
+    plot = tmp_path / "gpt_scaling.png"
+    text = run_benchmark(monkeypatch, capsys, "gpt_scaling.py", "--max_procs", 1, "--rounds", 1, "--grad_accum", 1, 2,
+                         "--chars", 3000, "--batch_size", 4, "--plot", plot)
+    rows = re.findall(r"^\| (\d) \| (\d) \| [\d,]+ \| 1.00x \| [\d,]+ \| 1.00x \| 1.00 \|$", text, re.M)
+    assert rows == [("1", "1"), ("2", "1")], text
+    assert "--grad_accum 2: 1 processes deliver 1.00 of the 1.00x ceiling (goal >= 0.9): met" in text
+    assert is_png(plot)
+
+
+def test_scaling_trains_the_steps_trainers_in_a_spawned_worker(tmp_path, monkeypatch, capsys):
+    """multigpu.py's and single_gpu.py's Trainers in one spawned worker: its figures are the row report() reads."""
+    plot = tmp_path / "scaling.png"
+    text = run_benchmark(monkeypatch, capsys, "scaling.py", "--devices", "cpu", "--max_procs", 1, "--rounds", 1,
+                         "--workload", "synthetic", "--plot", plot)
+    assert re.search(r"^\| 1 \| [\d,]+ \| 1.00x \| 1.00 \| [\d,]+ \| 1.00x \| 1.00 \| [\d.]+x \|$", text, re.M), text
+    assert is_png(plot)
