@@ -27,8 +27,7 @@ VARIANTS = {"fp32": [], "bf16": ["--precision", "bf16"], "fp32+compile": ["--com
 
 
 def measure(name, args, text, scratch, gpus):
-    """One run of gpt.py as variant `name` asks, in `scratch`: the whole run's seconds, epoch 0's tokens/s, the
-    fastest later epoch's, and the best later MFU (None where the GPU is unknown)."""
+    """One run of gpt.py as variant `name` asks, in `scratch`: its figures()."""
     # A snapshot of its own: the next variant must not resume this one's.
     command = torchrun("gpt.py", args.epochs, args.epochs, "--batch_size", args.batch_size, "--text", text,
                        "--dropout", 0, "--snapshot_path", scratch / f"{name}.pt", *VARIANTS[name], nproc=gpus or 1)
@@ -36,8 +35,14 @@ def measure(name, args, text, scratch, gpus):
     began = time.perf_counter()
     # One CPU process may use every core (the job runner gives a process one thread by default).
     job = run(command, cwd=scratch, gpu=True, timeout=args.timeout, env={"OMP_NUM_THREADS": None} if not gpus else None)
-    rates = output.throughputs(job.output)
-    return dict(seconds=time.perf_counter() - began, first=rates[0][0],
+    return figures(time.perf_counter() - began, job.output)
+
+
+def figures(seconds, printed):
+    """A run's figures from what gpt.py printed: the run's seconds, epoch 0's tokens/s, the fastest later epoch's,
+    and the best later MFU (None where the GPU is unknown)."""
+    rates = output.throughputs(printed)
+    return dict(seconds=seconds, first=rates[0][0],
                 best=max(rate for epoch, (rate, _, _) in rates.items() if epoch > 0),
                 mfu=max((mfu or 0) for epoch, (_, _, mfu) in rates.items() if epoch > 0) or None)
 

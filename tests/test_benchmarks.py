@@ -197,6 +197,20 @@ def test_gpt_precision_reports_each_variant_against_fp32(capsys):
     assert table_rows(text) == ["| fp32 | 40 | 900 | 1,000 | 1.00x | n/a |", "| bf16 | 80 | 400 | 500 | 0.50x | n/a |"]
 
 
+def gpt_epoch_line(epoch, rate, mfu=None):
+    return (f"[rank 0/1 | local 0 | cuda:0] epoch {epoch} | steps 10 | loss 2.000 | {rate} tokens/s"
+            + (f" | MFU {mfu}%" if mfu else ""))
+
+
+@pytest.mark.parametrize("mfu", [None, ("12.5", "20.5", "31.0")])
+def test_gpt_precision_sets_epoch_0_apart_and_takes_the_fastest_later_epoch(mfu):
+    """What gpt.py prints (its epoch lines, as output.EPOCH reads them): epoch 0 pays for what starts once."""
+    mfus = mfu or (None, None, None)
+    printed = "\n".join(gpt_epoch_line(epoch, rate, mfus[epoch])
+                        for epoch, rate in enumerate(["9,000", "11,000", "10,000"]))
+    assert benchmark("gpt_precision").figures(42.0, printed) == dict(seconds=42.0, first=9000.0, best=11000.0,
+                                                                     mfu=31.0 if mfu else None)
+
 def test_gpt_precision_without_fp32_compares_with_the_first_variant_and_shows_the_mfu(capsys):
     rows = {"bf16": dict(seconds=30.0, first=1000.0, best=2000.0, mfu=41.23),
             "bf16+compile": dict(seconds=90.0, first=500.0, best=3000.0, mfu=61.0)}
