@@ -162,7 +162,8 @@ def passes(*spans):
     """A step's events from (stage, 'F' or 'B', micro-batch, began, ended) in hundredths of a second; each forward
     keeps 1 MiB for its backward."""
     return [dict(stage=stage, microbatch=microbatch, began=began / 100, ended=ended / 100, saved=2**20,
-                 **{"pass": "forward" if kind == "F" else "backward"}) for stage, kind, microbatch, began, ended in spans]
+                 **{"pass": "forward" if kind == "F" else "backward"})
+            for stage, kind, microbatch, began, ended in spans]
 
 
 def test_pipeline_bubble_reports_the_fastest_step_of_each_schedule_against_the_formula(tmp_path, capsys):
@@ -174,7 +175,8 @@ def test_pipeline_bubble_reports_the_fastest_step_of_each_schedule_against_the_f
     slow_gpipe_2 = [dict(event, began=2 * event["began"], ended=2 * event["ended"]) for event in gpipe_2]
     one_f_one_b_2 = passes((0, "F", 0, 0, 1), (0, "F", 1, 1, 2), (1, "F", 0, 1, 2), (1, "B", 0, 2, 3),
                            (0, "B", 0, 3, 4), (1, "F", 1, 3, 4), (1, "B", 1, 4, 5), (0, "B", 1, 5, 7))
-    measured = [("1f1b", 2, {5: one_f_one_b_2}), ("gpipe", 2, {3: slow_gpipe_2, 4: gpipe_2}), ("gpipe", 1, {2: gpipe_1})]
+    measured = [("1f1b", 2, {5: one_f_one_b_2}), ("gpipe", 2, {3: slow_gpipe_2, 4: gpipe_2}),
+                ("gpipe", 1, {2: gpipe_1})]
     plot = tmp_path / "pipeline_timeline.png"
     benchmark("pipeline_bubble").report(measured, 2, plot)
     text = capsys.readouterr().out
