@@ -308,13 +308,21 @@ def test_fsdp_on_a_full_disk_removes_its_partial_snapshot_directory_and_keeps_th
 
 
 def test_a_finished_job_run_again_says_so_instead_of_exiting_0_having_done_nothing(tmp_path):
+    """multigpu_torchrun.py's Trainer, in this process, with a snapshot that holds the 3 epochs asked for already: it
+    stops with one line before any epoch (a SystemExit: the job exits 1, as with every one-line error), and the
+    snapshot is not touched. The official tutorial exits 0 here, having done nothing."""
+    import multigpu_torchrun
+
     torch.save(snapshot_of(3), tmp_path / "snapshot.pt")
     before = (tmp_path / "snapshot.pt").read_bytes()
-    job = run(torchrun("multigpu_torchrun.py", 3, 1, nproc=1), cwd=tmp_path, check=False)
-    assert job.returncode not in (0, None), job.output
-    assert "error: snapshot.pt holds 3 epochs already, and TOTAL_EPOCHS is 3: nothing to train. Ask for more " \
-           "epochs, or move it away to start anew" in job.errors, job.output
-    assert not job.losses and (tmp_path / "snapshot.pt").read_bytes() == before
+    trainer = multigpu_torchrun.Trainer.__new__(multigpu_torchrun.Trainer)  # no __init__: it needs a process group
+    trainer.epochs_run, trainer.snapshot_path = 3, "snapshot.pt"
+    trainer._run_epoch = lambda epoch: pytest.fail(f"it trained epoch {epoch}")
+    with pytest.raises(SystemExit) as stop:
+        trainer.train(3)
+    assert str(stop.value) == ("error: snapshot.pt holds 3 epochs already, and TOTAL_EPOCHS is 3: nothing to train. "
+                               "Ask for more epochs, or move it away to start anew")
+    assert (tmp_path / "snapshot.pt").read_bytes() == before
 
 
 # --- the command ------------------------------------------------------------------------------------------------------

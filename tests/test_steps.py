@@ -13,7 +13,6 @@ import functools
 import io
 import re
 import shutil
-from itertools import combinations
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ import single_gpu
 import tools.demo as demo
 from expect import assert_learned, assert_loads_into_fresh_model, assert_one_writer
 from tools import plot_metrics
-from tools.jobs import free_port, output, python, run, saved_name, start, torchrun, torchrun_node
+from tools.jobs import free_port, output, run, saved_name, start, torchrun, torchrun_node
 from utils import make_workload
 from utils.gpt import TEXT_VARIABLE, help_pages
 
@@ -205,19 +204,6 @@ def test_set_epoch_gives_every_epoch_a_new_order_also_after_a_resume(torchrun_jo
     for rank in (0, 1):
         orders = [tuple(epochs[epoch][rank]) for epoch in sorted(epochs)]
         assert len(set(orders)) == len(orders), f"rank {rank} repeated an epoch's order"
-
-
-def test_three_ranks_split_2048_samples_with_one_padded_repeat(tmp_path):
-    """2048 = 3 x 682 + 2: DistributedSampler pads the shuffled list with its first index to 2049, so each of the 3
-    ranks gets 683 samples and one sample is trained on twice an epoch (drop_last=True would drop the tail)."""
-    job = run(python("multigpu.py", 1, 1, "--world_size", 3), cwd=tmp_path, record=True)
-    [shares] = by_epoch(job.samples).values()
-    assert sorted(shares) == [0, 1, 2]
-    assert [len(indices) for indices in shares.values()] == [683] * 3
-    seen = [index for indices in shares.values() for index in indices]
-    assert set(seen) == set(range(DATASET_SIZE))
-    assert len(seen) - len(set(seen)) == 1, "only the padding repeats"
-    assert sum(len(set(a) & set(b)) for a, b in combinations(shares.values(), 2)) == 1
 
 
 # --- per-rank metrics (TUTORIAL_RUN_DIR) -----------------------------------------------------------------------------
