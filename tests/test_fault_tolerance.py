@@ -148,6 +148,7 @@ def test_a_snapshot_that_cannot_be_resumed_stops_with_one_line_that_names_it_and
         assert "(EOFError: the file ends too early (empty, or cut short))" in str(stop.value)
 
 
+@pytest.mark.slow
 def test_a_job_that_finds_an_unusable_snapshot_stops_with_one_line_and_leaves_it_in_place(tmp_path):
     """The real job on garbage bytes: a non-zero exit, the one line (no traceback through the script), no epoch
     trained, and the file as it was."""

@@ -108,6 +108,7 @@ def max_difference(a, b):
 
 # --- it learns, and says so -------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_gpt_learns_reports_tokens_per_s_and_prints_a_sample(uninterrupted, text):
     """12 optimizer steps on 4,140 characters: the held-out loss falls below 0.85 of the untrained model's (~ln 64,
     the excerpt's distinct characters)."""
@@ -122,6 +123,7 @@ def test_the_gpt_learns_reports_tokens_per_s_and_prints_a_sample(uninterrupted, 
     assert_one_writer(job.writes, job.cwd / SNAPSHOT)
 
 
+@pytest.mark.slow
 def test_the_snapshot_holds_everything_the_loop_depends_on(uninterrupted):
     snapshot = load(uninterrupted.cwd / SNAPSHOT)
     assert set(snapshot) == {"MODEL_STATE", "OPTIMIZER_STATE", "SCHEDULER_STATE", "SCALER_STATE", "RNG_STATES",
@@ -138,6 +140,7 @@ def test_the_snapshot_holds_everything_the_loop_depends_on(uninterrupted):
 
 # --- gradient accumulation --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_ranks_accumulating_two_micro_batches_of_b_end_where_one_process_with_4b_does(accumulated, text):
     """Exact up to float rounding: the same 16 samples per optimizer step, summed in another order. Adam divides by
     the gradients' running magnitude, which magnifies that rounding in a few of the 111k weights (measured: at most
@@ -160,6 +163,7 @@ def steps_of(job, rank):
     return [step for step in job.steps if step["rank"] == rank]
 
 
+@pytest.mark.slow
 def test_no_sync_all_reduces_the_gradients_once_per_optimizer_step_not_once_per_micro_batch(accumulated):
     for rank in (0, 1):
         steps = steps_of(accumulated, rank)
@@ -170,6 +174,7 @@ def test_no_sync_all_reduces_the_gradients_once_per_optimizer_step_not_once_per_
         assert step0["grad_norms"] == pytest.approx(step1["grad_norms"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_the_schedule_warms_up_then_decays_once_per_optimizer_step(accumulated):
     factor = WarmupCosine(EPOCHS * STEPS_PER_EPOCH)
     lrs = [step["lr"] for step in steps_of(accumulated, 0)]
@@ -198,6 +203,7 @@ def test_a_schedule_resumed_with_other_arguments_goes_on_from_where_it_was_to_th
     assert {round(finished(step), 12) for step in range(40, 66)} == {0.1}
 
 
+@pytest.mark.slow
 def test_a_snapshot_resumes_on_more_ranks_than_wrote_it_with_the_schedule_going_on(uninterrupted, text, tmp_path):
     """2 ranks wrote it after 3 epochs of a run planned for 6 (the uninterrupted run's snapshot, its schedule and
     learning rate set as a 6-epoch run's are after 3: what such a run leaves when it is stopped). 3 ranks resume it to
@@ -250,6 +256,7 @@ def test_a_step_that_fp16_skipped_is_no_step_of_the_schedule(tmp_path):
 
 # --- precision --------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bf16_on_the_cpu_tracks_fp32(accumulated, text, tmp_path):
     """The same optimizer steps in bf16 autocast: one process with K=2 micro-batches of 8 takes the same 16 samples
     per step as the accumulated fp32 job (the test above shows the layouts agree). Measured: the epoch losses agree
