@@ -241,6 +241,7 @@ def test_gpt_learns_reports_each_goal_met_or_not(capsys, seconds, held_out, know
 
 # End to end: what the benchmarks measure is what their reports read.
 
+@pytest.mark.slow
 def test_recovery_times_a_real_kill_against_a_cold_start(monkeypatch, capsys):
     """A torchrun job through tools/jobs, its worker SIGKILLed and resumed by torchrun: the timeline and the moments
     measure() takes are the ones report() reads."""
@@ -262,6 +263,7 @@ def test_recovery_times_a_real_kill_against_a_cold_start(monkeypatch, capsys):
         assert lost[3] is None, text
 
 
+@pytest.mark.slow
 def test_restarts_counts_a_real_killed_job_that_resumes(monkeypatch, capsys):
     """restarts.py kills its own way (a random part of an epoch after the first snapshot, the job's exit codes and
     gloo's errors counted): what one_kill() returns is what row() and summary() read."""
@@ -271,6 +273,7 @@ def test_restarts_counts_a_real_killed_job_that_resumes(monkeypatch, capsys):
     assert re.search(r"^\| 0 \| [\d.]+ s \| yes \| [\d.]+ s \| \[0\] \| \d+ \|$", text, re.M), text
     assert re.search(r"^resumed 1 of 1; kill -> resume median [\d.]+ s", text, re.M), text
 
+@pytest.mark.slow
 def test_pipeline_bubble_reads_the_recorders_timings_of_the_spawned_stages(tmp_path, monkeypatch, capsys):
     """Workers started by spawned_result, the recorder timing their passes: the step numbers the workers send back
     are the recorder's, so each configuration gets its own steps. Held activations need no timing at all: GPipe holds
@@ -284,6 +287,7 @@ def test_pipeline_bubble_reads_the_recorders_timings_of_the_spawned_stages(tmp_p
     assert is_png(plot)
 
 
+@pytest.mark.slow
 def test_communication_counts_each_layouts_collectives_per_optimizer_step(monkeypatch, capsys):
     """2 processes, the CPU-size GPT (2 blocks): TP all-reduces activations twice per block in the forward (after
     attention and after the MLP) and twice in the backward (at their inputs); FSDP gathers each of its 4 units
@@ -311,6 +315,7 @@ def test_overhead_times_the_trainer_and_the_bare_loop_in_this_process(monkeypatc
     assert re.search(rf"^worst ratio {re.escape(ratios[0])}x \(goal <= 1.10x\): (met|NOT met)$", text, re.M), text
 
 
+@pytest.mark.slow
 def test_gpt_scaling_trains_gpt_pys_trainer_in_spawned_workers(tmp_path, monkeypatch, capsys):
     """One spawned worker training gpt.py's Trainer (its options as gpt.py's parser gives them) and the loop without
     DDP, for each K: the rows and the verdict come from what the worker measured."""
@@ -323,6 +328,7 @@ def test_gpt_scaling_trains_gpt_pys_trainer_in_spawned_workers(tmp_path, monkeyp
     assert is_png(plot)
 
 
+@pytest.mark.slow
 def test_scaling_trains_the_steps_trainers_in_a_spawned_worker(tmp_path, monkeypatch, capsys):
     """multigpu.py's and single_gpu.py's Trainers in one spawned worker: its figures are the row report() reads."""
     plot = tmp_path / "scaling.png"
