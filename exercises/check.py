@@ -276,6 +276,33 @@ def resume_problems(samples):
     return []
 
 
+def restart_problems(samples, epochs, no_barrier=False):
+    """Where the job restarted after the kill in epoch KILLED_EPOCH resumed and how far it went (rank 0's passes);
+    when at the right epoch, whether it resumed the state that epoch began with (resume_problems)."""
+    restarted = [row for row in samples if row["restart"] >= 1 and row["rank"] == 0]
+    if not restarted:
+        return ["no rank trained after the restart"]
+    resumed_at = [row["epoch"] for row in restarted]
+    if None in resumed_at:
+        return ["the restarted job's sampler has no epoch: use a DistributedSampler and set_epoch"]
+    expected = [KILLED_EPOCH - 1, KILLED_EPOCH] if no_barrier else [KILLED_EPOCH]
+    first, problems = min(resumed_at), []
+    if first == 0:
+        problems.append(f"after the kill in epoch {KILLED_EPOCH} the restarted job started over from epoch 0: "
+                        f"epochs 0-{KILLED_EPOCH - 1} were lost. Save a snapshot (model, optimizer, epochs run) every "
+                        "save_every epochs, and at start load it, if it exists, and go on from there")
+    elif first < min(expected):
+        problems.append(f"the restarted job repeated epoch {listed(range(first, KILLED_EPOCH))}, which finished and "
+                        f"was saved before the kill: store the number of epochs *run* (epoch + 1) and start there")
+    elif first > max(expected):
+        problems.append(f"the restarted job skipped epoch {listed(range(KILLED_EPOCH, first))}, which the kill "
+                        "interrupted: resume at the first epoch that did not finish")
+    if max(resumed_at) != epochs - 1:
+        problems.append(f"the restarted job stopped after epoch {max(resumed_at)}, not {epochs - 1}")
+    # the state is judged only at the right epoch: one resumed at a wrong epoch cannot be the state it began with
+    return problems or resume_problems(samples)
+
+
 def last_saved(writes, workdir):
     """The file the job saved last (a .tmp written then renamed counts under its final name), or None."""
     for _, _, path in reversed(writes):
@@ -395,28 +422,7 @@ def check_resume(script, workdir, say):
         return problems
     # without a barrier, the kill can land before the last snapshot is on disk: resuming an epoch early is then right
     no_barrier = any("barrier()" in problem for problem in problems)
-    expected = [KILLED_EPOCH - 1, KILLED_EPOCH] if no_barrier else [KILLED_EPOCH]
-    resumed_at = [row["epoch"] for row in restarted]
-    if not restarted:
-        return problems + ["no rank trained after the restart"]
-    if None in resumed_at:
-        return problems + ["the restarted job's sampler has no epoch: use a DistributedSampler and set_epoch"]
-    first, judged = min(resumed_at), len(problems)
-    if first == 0:
-        problems.append(f"after the kill in epoch {KILLED_EPOCH} the restarted job started over from epoch 0: "
-                        f"epochs 0-{KILLED_EPOCH - 1} were lost. Save a snapshot (model, optimizer, epochs run) every "
-                        "save_every epochs, and at start load it, if it exists, and go on from there")
-    elif first < min(expected):
-        problems.append(f"the restarted job repeated epoch {listed(range(first, KILLED_EPOCH))}, which finished and "
-                        f"was saved before the kill: store the number of epochs *run* (epoch + 1) and start there")
-    elif first > max(expected):
-        problems.append(f"the restarted job skipped epoch {listed(range(KILLED_EPOCH, first))}, which the kill "
-                        "interrupted: resume at the first epoch that did not finish")
-    if max(resumed_at) != epochs - 1:
-        problems.append(f"the restarted job stopped after epoch {max(resumed_at)}, not {epochs - 1}")
-    if len(problems) > judged:  # resumed at the wrong epoch, its state cannot be the one that epoch began with
-        return problems
-    return problems + resume_problems(job.samples)
+    return problems + restart_problems(job.samples, epochs, no_barrier)
 
 
 def check_two_nodes(script, workdir, say):
@@ -495,7 +501,9 @@ def accumulation_reference(text):
 
 def accumulation_problems(steps, reference):
     """What the recorded optimizer steps of rank 0 say about the accumulation: their number, the all-reduce rounds
-    each took, the size of the first one's gradient, and the learning rate each used."""
+    each took, the size of the first one's gradient, and the learning rate each used. With the right number of steps,
+    the communication (or, when that is right, the gradient's size) and the schedule are judged apart: a script can
+    get both wrong."""
     from utils.loop import WarmupCosine
 
     norm, peak_lr, steps_per_epoch = reference
@@ -506,27 +514,32 @@ def accumulation_problems(steps, reference):
         return [f"rank 0 took {len(steps)} optimizer steps in {ACCUM_EPOCHS} epochs, expected {expected_steps}: "
                 f"with --grad_accum {K}, step the optimizer once per {K} micro-batches (when `last` is True), "
                 "not after every micro-batch"]
+    problems = []
     rounds = sorted({step["rounds"] for step in steps})
-    if rounds != [1]:
-        return [f"DDP all-reduced the gradients {listed(rounds)} time(s) per optimizer step, once per micro-batch: "
-                f"with --grad_accum {K} that is {K}x the communication. Run all but the last micro-batch inside "
-                "`with self.model.no_sync():`, the forward too (DDP decides in forward whether backward syncs)"]
     ratio = steps[0]["grad_norms"][0] / norm
-    if abs(ratio - K) < 0.01 * K:
-        return [f"the gradient of an optimizer step is {ratio:.2f}x the mean over its micro-batches: the K={K} "
-                "micro-batches' gradients add up, so divide each micro-batch's loss by K (by `micro_batches`) "
-                "before backward"]
-    if abs(ratio - 1) > 0.01:
-        return [f"the gradient of the first optimizer step is {ratio:.2f}x the mean over its {K} micro-batches on "
-                f"{WORLD_SIZE} ranks, expected 1x: each step must average exactly those samples"]
+    # With a round per micro-batch, the first round's gradient is not the step's: its size says nothing then.
+    if rounds != [1]:
+        problems.append(f"DDP all-reduced the gradients {listed(rounds)} time(s) per optimizer step, once per "
+                        f"micro-batch: with --grad_accum {K} that is {K}x the communication. Run all but the last "
+                        "micro-batch inside `with self.model.no_sync():`, the forward too (DDP decides in forward "
+                        "whether backward syncs)")
+    elif abs(ratio - K) < 0.01 * K:
+        problems.append(f"the gradient of an optimizer step is {ratio:.2f}x the mean over its micro-batches: the K={K} "
+                        "micro-batches' gradients add up, so divide each micro-batch's loss by K (by `micro_batches`) "
+                        "before backward")
+    elif abs(ratio - 1) > 0.01:
+        problems.append(f"the gradient of the first optimizer step is {ratio:.2f}x the mean over its {K} "
+                        f"micro-batches on {WORLD_SIZE} ranks, expected 1x: each step must average exactly those "
+                        "samples")
     factor = WarmupCosine(expected_steps)
     for number, step in enumerate(steps):
         expected = peak_lr * factor(number)
         if abs(step["lr"] - expected) > 1e-6 * peak_lr:
-            return [f"optimizer step {number} used learning rate {step['lr']:.3g}, expected {expected:.3g}: the "
-                    "warm-up + cosine schedule counts optimizer steps, so call scheduler.step() once per optimizer "
-                    "step (after the last micro-batch), not once per micro-batch"]
-    return []
+            problems.append(f"optimizer step {number} used learning rate {step['lr']:.3g}, expected {expected:.3g}: "
+                            "the warm-up + cosine schedule counts optimizer steps, so call scheduler.step() once per "
+                            "optimizer step (after the last micro-batch), not once per micro-batch")
+            break
+    return problems
 
 
 def check_grad_accum(script, workdir, say):
