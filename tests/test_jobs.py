@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from tools.jobs import RECORDER, environment, output
+from tools.jobs import REPO, RECORDER, SHARED_VARIABLE, Job, environment, output, run, shared_file
 
 
 def test_slow_save_makes_every_save_slower_without_the_recorder_on(tmp_path, monkeypatch):
@@ -44,3 +44,38 @@ error: stopped by SIGINT (Ctrl-C), with every worker of this node; the last snap
         "2 processes on gloo (no CUDA)", "[rank 0/2 | cpu] epoch 0 | steps 32 | loss 0.9000 | 9,000 samples/s",
         "[rank 0/2 | local 0 | cpu] sample after 8 optimizer steps:", "  | def main():",
         "error: stopped by SIGINT (Ctrl-C), with every worker of this node; the last snapshot saved is kept"]
+
+
+def test_a_shared_job_that_several_ask_for_at_once_runs_once_and_each_gets_its_result(tmp_path):
+    """Two processes of one session ask for the same job together (as pytest-xdist's workers and the notebooks'
+    kernels do): it runs once, and each gets its output, exit code and folder; a job with other options runs apart."""
+    import subprocess
+    import sys
+
+    counter = tmp_path / "runs.txt"
+    asker = f"""
+import sys
+sys.path.insert(0, {str(REPO)!r})
+from tools.jobs import run, shared_file
+text = shared_file("greeting.txt", "hello")
+command = [sys.executable, "-c", "import sys, time; open(sys.argv[1], 'a').write('x'); time.sleep(1); "
+           "print(open(sys.argv[2]).read())", {str(counter)!r}, str(text)]
+job = run(command, cwd={str(tmp_path)!r}, shared=True, env=dict(GREETING=sys.argv[1]))
+print(job.output.strip(), job.codes, job.cwd)
+"""
+    env = dict(os.environ, **{SHARED_VARIABLE: str(tmp_path / "session")})
+    askers = [subprocess.Popen([sys.executable, "-c", asker, greeting], env=env, stdout=subprocess.PIPE, text=True)
+              for greeting in ("same", "same", "other")]
+    answers = [asker.communicate(timeout=60)[0].split() for asker in askers]
+    assert counter.read_text() == "xx", "the same job ran once, the one with another environment once more"
+    assert [answer[:2] for answer in answers] == [["hello", "[0]"]] * 3, answers
+    assert answers[0][2] == answers[1][2] != answers[2][2], "the same job: the same folder"
+
+
+def test_outside_a_session_a_shared_job_is_an_ordinary_one(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.delenv(SHARED_VARIABLE, raising=False)
+    job = run([sys.executable, "-c", "print('here')"], cwd=tmp_path, shared=True)
+    assert job.output == "here\n" and job.cwd == tmp_path and type(job) is Job
+    assert shared_file("a.txt", "one") != shared_file("a.txt", "two")

@@ -18,7 +18,14 @@ and each pass of a pipeline stage (job.records("pipeline.jsonl"), read by tools/
 record_steps=True adds every optimizer step (its learning rate, and the gradient all-reduces DDP ran for it); kill_at,
 skip_all_reduce and stall_init inject faults through it, and slow_save makes every save slower (its docstring
 says how).
+
+Shared runs: run(..., shared=True) in a test session (the suite sets $JOB_SHARED_DIR for it) runs a job that several
+tests and notebooks ask for once: the first to ask runs it in a folder of the session's, the others wait for it and
+get the same finished job (its folder is theirs to read, not to change). shared_file() gives such jobs their input
+files under a name that only their content decides. Outside a test session, run(..., shared=True) just runs the job.
 """
+import fcntl
+import hashlib
 import json
 import os
 import re
@@ -40,6 +47,7 @@ RECORDER = Path(__file__).resolve().parent / "recorder"
 # torchrun's switch for a fresh rendezvous store per attempt. The steps no longer need it (utils.attempt_store gives
 # each attempt keys of its own in torchrun's shared store); tests use it to check that the other path works too.
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+SHARED_VARIABLE = "JOB_SHARED_DIR"  # a folder of one test session: run(..., shared=True) runs each job there once
 LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
 
@@ -381,15 +389,73 @@ def spawned_result(worker, args, nprocs, timeout, what):
         return json.loads(result_path.read_text())
 
 
+class FinishedJob(Job):
+    """A job another caller of the session ran (run(..., shared=True)): the same properties, read from its folder;
+    nothing runs any more, so there is nothing to follow, kill or wait for."""
+
+    def __init__(self, folder):
+        state = json.loads((folder / "job.json").read_text())
+        self.commands, self.codes, self.limit = state["commands"], state["codes"], state["limit"]
+        self.cwds, self.logs_dir = [folder / "work"] * len(self.commands), folder / "logs"
+        self.logs = [self.logs_dir / f"node{node}.log" for node in range(len(self.commands))]
+        self.recorded, self.procs, self.timeline, self.began = state["recorded"], [], [], time.monotonic()
+        self._offsets, self._queue = [0] * len(self.commands), []
+
+    def poll(self):
+        return list(self.codes)
+
+    def stop(self):
+        pass
+
+
+def shared_file(name, content):
+    """A file holding `content` (text) for jobs run with shared=True: in a test session it lies in the session's shared
+    folder under a name its content decides, so two tests that write the same text name the same file (and their
+    commands, hence their jobs, are the same); outside one, in a temporary folder of this process."""
+    folder = Path(os.environ.get(SHARED_VARIABLE) or tempfile.mkdtemp(prefix="job-files-")) / "files"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{hashlib.sha256(content.encode()).hexdigest()[:16]}-{name}"
+    if not path.exists():
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(content)
+        os.replace(partial, path)
+    return path
+
+
+def _shared_run(commands, timeout, options):
+    """run()'s job, run once in the session's shared folder by whichever caller asks first (see the module's
+    docstring): the same commands and options (but for where it runs) name the same job."""
+    options.pop("cwd", None), options.pop("logs", None)
+    key = json.dumps(dict(commands=[[str(part) for part in command] for command in commands],
+                          options={name: repr(value) for name, value in sorted(options.items())}), sort_keys=True)
+    folder = Path(os.environ[SHARED_VARIABLE]) / "jobs" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first caller runs it; the others wait here, then read what it did
+        if not (folder / "job.json").exists():
+            (folder / "work").mkdir(exist_ok=True)
+            job = Job(*commands, cwd=folder / "work", logs=folder / "logs", **options)
+            job.wait(timeout)
+            (folder / "key.json").write_text(key)
+            (folder / "job.json").write_text(json.dumps(dict(commands=job.commands, codes=job.codes, limit=job.limit,
+                                                             recorded=job.recorded)))
+    return FinishedJob(folder)
+
+
 def start(*commands, **options):
     """Start a job: one command per node (see Job for the options)."""
     return Job(*commands, **options)
 
 
-def run(*commands, timeout=120, check=True, **options):
-    """Start a job and wait for it (at most `timeout` s); with check, fail unless every node exited 0."""
-    job = Job(*commands, **options)
-    job.wait(timeout)
+def run(*commands, timeout=120, check=True, shared=False, **options):
+    """Start a job and wait for it (at most `timeout` s); with check, fail unless every node exited 0. shared=True: in a
+    test session, the same job asked for by several tests and notebooks runs once (see the module's docstring); its
+    folder (job.cwd) is then the session's, and the job must not need anything in it beforehand."""
+    if shared and os.environ.get(SHARED_VARIABLE):
+        job = _shared_run(commands, timeout, options)
+    else:
+        job = Job(*commands, **options)
+        job.wait(timeout)
     if check and not job.ok:
         raise AssertionError(f"{job.describe()}; its output ends:\n{job.output[-4000:]}")
     return job
