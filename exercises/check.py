@@ -177,8 +177,7 @@ def order_problems(samples):
     return []
 
 
-def writer_problems(job, script, multinode=False):
-    saves = job.records("saves.jsonl")
+def writer_problems(saves, script, multinode=False):
     if not saves:
         return ["nothing was saved: save every save_every epochs (and after the last one)"]
     ranks = sorted({save["rank"] for save in saves}, key=str)
@@ -215,11 +214,10 @@ def divergence_problems(samples, script):
     return []
 
 
-def barrier_problems(job, script):
+def barrier_problems(begins, saves, script):
     """With every save slowed down, no rank may begin an epoch while the last snapshot is still being written (a save
     that a kill cut short was still being written when the job ended)."""
-    begins = job.records("begins.jsonl")
-    ended = {(save["pid"], save["began"]): save for save in job.records("saves.jsonl")}
+    ended = {(save["pid"], save["began"]): save for save in saves}
     for save in (row for row in begins if row["what"] == "save"):
         done = ended.get((save["pid"], save["began"]))
         for row in begins:
@@ -234,8 +232,7 @@ def barrier_problems(job, script):
     return []
 
 
-def teardown_problems(job):
-    exits = job.records("exits.jsonl")
+def teardown_problems(exits):
     last = max((row["restart"] for row in exits), default=0)  # an attempt torchrun stopped ended as it could
     still_open = sorted({row["rank"] for row in exits if row["open"] and row["restart"] == last}, key=str)
     if not still_open:
@@ -328,22 +325,27 @@ def checkpoint_problems(job, workdir, script):
     if path is None:
         return []  # writer_problems says it
     try:
-        state = model_state_in(torch.load(path, map_location="cpu", weights_only=True))
+        saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         return [f"{path.name} cannot be loaded ({type(error).__name__}: {str(error).splitlines()[0]})"]
-    expected = make_workload().model.state_dict().keys()
+    return saved_state_problems(path.name, saved, job.records("saves.jsonl"), script)
+
+
+def saved_state_problems(name, saved, saves, script):
+    """Whether what was saved in the file `name` holds a model state_dict that a fresh model loads."""
+    state = model_state_in(saved)
     if state is None:
-        return [f"{path.name} holds no model state_dict"]
-    if set(state) == {f"module.{key}" for key in expected}:
-        saves = job.records("saves.jsonl")
+        return [f"{name} holds no model state_dict"]
+    model = make_workload().model
+    if set(state) == {f"module.{key}" for key in model.state_dict()}:
         where = "".join(f" in what the save at {line} writes" for line in lines_in(saves[-1]["stack"] if saves else (),
                                                                                      script, innermost=1))
-        return [f"{path.name} holds the DDP wrapper's state_dict (every key starts with 'module.'), which a plain "
+        return [f"{name} holds the DDP wrapper's state_dict (every key starts with 'module.'), which a plain "
                 f"model cannot load: save self.model.module.state_dict(), the model inside DDP{where}"]
     try:
-        make_workload().model.load_state_dict(state)
+        model.load_state_dict(state)
     except RuntimeError as error:
-        return [f"{path.name} does not load into a fresh model: {str(error).splitlines()[0]}"]
+        return [f"{name} does not load into a fresh model: {str(error).splitlines()[0]}"]
     return []
 
 
@@ -385,11 +387,13 @@ def training_problems(job, workdir, epochs, script, multinode=False, snapshots=F
     if trained:
         return trained
     problems = (ddp_problems(job.samples) or divergence_problems(job.samples, script)) + shard_problems(job.samples)
-    problems += order_problems(job.samples) + writer_problems(job, script, multinode)
-    problems += checkpoint_problems(job, workdir, script) + (barrier_problems(job, script) if snapshots else [])
+    saves = job.records("saves.jsonl")
+    problems += order_problems(job.samples) + writer_problems(saves, script, multinode)
+    problems += checkpoint_problems(job, workdir, script)
+    problems += barrier_problems(job.records("begins.jsonl"), saves, script) if snapshots else []
     if not job.ok:
         return problems or exit_problems(job, script)
-    return problems + loss_problems(job.output, epochs, job.samples) + teardown_problems(job)
+    return problems + loss_problems(job.output, epochs, job.samples) + teardown_problems(job.records("exits.jsonl"))
 
 
 def check_ddp(script, workdir, say):
