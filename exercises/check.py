@@ -86,7 +86,8 @@ KNOWN_CRASHES = [
 ]
 
 
-# Each *_problems function returns a list of sentences, empty when all is well.
+# Each *_problems function returns a list of sentences, empty when all is well. Those that judge records take the
+# rows themselves (job.samples, job.records(...)): tests/test_exercises.py gives them rows it makes up.
 
 def exit_problems(job, script=None):
     if job.timed_out:
