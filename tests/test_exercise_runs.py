@@ -1,7 +1,8 @@
 """The workshop checker run for real (each check a job of 3 to 8 processes): the repository's own steps pass every
 exercise, each starting file fails with the message its exercise is about, and a seeded mistake per kind of evidence
-(a spawned job's saves, losses and exits; a job killed and restarted by torchrun; two nodes) reaches its verdict
-through what the recorder wrote. tests/test_exercises.py proves each verdict on records made up in the test."""
+(a spawned job's saves, losses and exits; a job killed and restarted by torchrun; two nodes; optimizer steps)
+reaches its verdict through what the recorder wrote. tests/test_exercises.py proves each verdict on records made up
+in the test."""
 import re
 
 import pytest
@@ -74,8 +75,9 @@ def test_starting_file_5_splits_the_data_over_every_rank_and_the_checker_says_so
 # Seeded mistakes: (exercise, edits to its solution, one pattern per verdict the checker must print, and no other).
 # One run per kind of evidence the recorder gives the verdicts: what a spawned job's ranks trained on, computed, saved
 # (from which line, in which file) and left open; a job torchrun restarts after a kill (when each rank began an epoch
-# and what a save was doing then; the state a restarted rank begins from); two nodes. Mistakes whose effects are
-# independent share one run: each run costs 3 to 8 processes that import torch.
+# and what a save was doing then; the state a restarted rank begins from); two nodes; each optimizer step (its
+# all-reduce rounds and learning rate). Mistakes whose effects are independent share one run: each run costs 3 to 8
+# processes that import torch.
 BYPASS = (r"loss = self\.loss_fn\(self\.model\(source\)", "loss = self.loss_fn(self.model.module(source)")
 NO_ALL_REDUCE = (r"\n *dist\.all_reduce\(totals\).*", "")
 NO_DESTROY = (r"\n *dist\.destroy_process_group\(\)", "")
@@ -83,6 +85,9 @@ NO_SET_EPOCH = (r"\n *self\.train_data\.sampler\.set_epoch\(epoch\).*", "")
 NO_BARRIER = (r"\n *dist\.barrier\(\).*", "")
 NO_OPTIMIZER_SAVED = (r"OPTIMIZER_STATE=self\.optimizer\.state_dict\(\),", "")
 NO_OPTIMIZER_LOADED = (r"\n *self\.optimizer\.load_state_dict\(snapshot\[\"OPTIMIZER_STATE\"\]\)", "")
+NO_SYNC = (r"contextlib\.nullcontext\(\) if last else self\.model\.no_sync\(\)", "contextlib.nullcontext()")
+SCHEDULER_PER_OPTIMIZER_STEP = (r"\n *if self\.scaler\.get_scale\(\) >= scale:.*\n *self\.scheduler\.step\(\).*", "")
+SCHEDULER_PER_MICRO_BATCH = (r"(\.backward\(\).*)", r"\1\n            self.scheduler.step()")
 MISTAKES = {
     "ddp-bypassed, loss of rank 0 alone, no set_epoch, the wrapper saved, the group left open": (1, [
         BYPASS, NO_ALL_REDUCE, NO_DESTROY, NO_SET_EPOCH,
@@ -103,6 +108,13 @@ MISTAKES = {
         r"after the `if \.\.\. == 0:` save( \(line \d+ \(in train: `self\._save_snapshot\(epoch\)`\)\))?$",
         r"^rank \d resumed epoch \d after the restart, but its optimizer's state differed from the one it had at the "
         r"end of epoch \d, .*: save self\.optimizer\.state_dict\(\) in the snapshot"]),
+    "no no_sync, the scheduler stepped per micro-batch": (4, [
+        NO_SYNC, SCHEDULER_PER_OPTIMIZER_STEP, SCHEDULER_PER_MICRO_BATCH], [
+        r"^DDP all-reduced the gradients 2 time\(s\) per optimizer step, once per micro-batch: with --grad_accum 2 "
+        r"that is 2x the communication\.",
+        r"^optimizer step \d+ used learning rate \S+, expected \S+: the warm-up \+ cosine schedule counts optimizer "
+        r"steps, so call scheduler\.step\(\) once per optimizer step \(after the last micro-batch\), not once per "
+        r"micro-batch$"]),
     "LOCAL_RANK 0 as the writer": (3, [
         (r"if self\.global_rank == 0:  # one writer", "if self.local_rank == 0:  # one writer")], [
         r"^ranks 0 and 1 all wrote snapshot\.pt: only global rank 0 writes .*LOCAL_RANK is 0 on every node, .* "
@@ -110,7 +122,7 @@ MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if MISTAKES[name][0] > 1 else [])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if MISTAKES[name][0] in (2, 3) else [])
                                   for name in MISTAKES])
 def test_a_seeded_mistake_gets_the_verdict_that_names_it_and_nothing_else(name, tmp_path, monkeypatch, capsys):
     """`python exercises/check.py N mistaken.py` (main(), in this process) exits non-zero with one verdict per
