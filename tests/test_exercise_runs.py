@@ -10,6 +10,8 @@ import pytest
 from exercises.check import EXERCISES, SOLUTIONS, check
 from tools.jobs import PYTHON, REPO, run, script
 
+pytestmark = pytest.mark.slow  # every test here starts a job of processes
+
 STEPS = SOLUTIONS  # the step each exercise leads to, as the checker names it when all checks pass
 STARTS = {number: f"exercises/{folder}/start.py" for number, folder in EXERCISES.items()}
 
@@ -31,7 +33,6 @@ def checked(number, path, tmp_path):
     return "\n".join(check(number, path, workdir))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("number", sorted(STEPS))
 def test_the_repositorys_step_passes_its_exercise(number, tmp_path):
     assert checked(number, script(STEPS[number]), tmp_path) == ""
@@ -44,13 +45,11 @@ def test_starting_file_1_runs_in_one_process_and_the_checker_says_so(tmp_path):
     assert "1 problem(s). Hints: exercises/1_ddp/hints.md" in job.output
 
 
-@pytest.mark.slow
 def test_starting_file_2_starts_over_after_the_kill(tmp_path):
     problems = checked(2, REPO / STARTS[2], tmp_path)
     assert "the restarted job started over from epoch 0: epochs 0-1 were lost" in problems
 
 
-@pytest.mark.slow
 def test_starting_file_3_trains_out_of_step_when_nodes_have_their_own_disks(tmp_path):
     problems = checked(3, REPO / STARTS[3], tmp_path)
     assert re.search(r"the nodes trained out of step: rank 0 began at epoch 3; rank 1 began at epoch 0", problems)
@@ -122,8 +121,7 @@ MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if MISTAKES[name][0] in (2, 3) else [])
-                                  for name in MISTAKES])
+@pytest.mark.parametrize("name", MISTAKES)
 def test_a_seeded_mistake_gets_the_verdict_that_names_it_and_nothing_else(name, tmp_path, monkeypatch, capsys):
     """`python exercises/check.py N mistaken.py` (main(), in this process) exits non-zero with one verdict per
     mistake, in the learner's terms and naming their line, and none of what gloo and torchrun print around a crash."""

@@ -36,6 +36,7 @@ def test_a_starting_file_is_its_solution_but_for_the_lines_its_todos_name(number
             + "\n".join([*(f"-{line}" for line in start[i1:i2]), *(f"+{line}" for line in solution[j1:j2])]))
 
 
+@pytest.mark.slow  # a process of its own, stopped at its limit
 def test_a_run_stopped_at_its_time_limit_is_said_to_have_run_that_long(tmp_path):
     job = run([PYTHON, "-c", "import time; time.sleep(30)"], cwd=tmp_path, timeout=0.5, check=False)
     [problem] = exit_problems(job)
