@@ -350,6 +350,18 @@ def saved_state_problems(name, saved, saves, script):
     return []
 
 
+def pass_epoch(row, samples):
+    """The epoch a pass trained: its sampler's (set_epoch's); when that stayed put over its attempt's passes (set_epoch
+    never called), its number among them, which is the epoch in a job that never restarted (None after a restart:
+    nothing tells)."""
+    if row["epoch"] is None:
+        return row["number"]
+    if sum(other["rank"] == row["rank"] and other["restart"] == row["restart"] and other["epoch"] == row["epoch"]
+           for other in samples) == 1:
+        return row["epoch"]
+    return row["number"] if row["restart"] == 0 else None
+
+
 def loss_problems(output, epochs, samples):
     losses = epoch_losses(output)
     missing = [epoch for epoch in range(epochs) if epoch not in losses]
@@ -360,8 +372,7 @@ def loss_problems(output, epochs, samples):
         return [f"the model did not learn: the loss went from {losses[0]} (epoch 0) to {losses[epochs - 1]} "
                 f"(epoch {epochs - 1})"]
     for epoch, printed in sorted(losses.items()):  # the last attempt's record of each epoch, rank by rank
-        own = {row["rank"]: row for row in samples
-               if (row["number"] if row["epoch"] is None else row["epoch"]) == epoch}
+        own = {row["rank"]: row for row in samples if pass_epoch(row, samples) == epoch}
         if len(own) < 2 or any(row.get("loss") is None for row in own.values()):
             continue
         weights = {rank: len(row["indices"]) for rank, row in own.items()}

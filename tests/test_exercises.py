@@ -141,6 +141,9 @@ def test_a_printed_loss_that_is_rank_0s_own_is_told_from_the_mean(script):
         "epoch 0's printed loss 2.0000 is rank 0's own loss (2.0000), not the mean over the ranks (1.5000): before "
         "rank 0 prints, sum the [loss sum, samples] totals of every rank with dist.all_reduce(totals) (on every "
         "rank), then divide"]
+    stuck = [dict(row, epoch=0) for row in samples]  # set_epoch never called: the sampler's epoch stays 0
+    assert loss_problems(printed(2.0, 1.0, 2 / 3), 3, stuck)[0].startswith(
+        "epoch 0's printed loss 2.0000 is rank 0's own loss (2.0000), not the mean over the ranks (1.5000)")
     assert loss_problems(printed(1.7, 0.75, 0.5), 3, samples)[0].startswith(
         "epoch 0's printed loss 1.7000 is neither the mean nor any one rank's loss")
     assert loss_problems(printed(1.5, 0.75), 3, samples)[0].startswith("no line reported epoch 2")
