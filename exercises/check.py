@@ -86,7 +86,8 @@ KNOWN_CRASHES = [
 ]
 
 
-# Each *_problems function returns a list of sentences, empty when all is well.
+# Each *_problems function returns a list of sentences, empty when all is well. Those that judge records take the
+# rows themselves (job.samples, job.records(...)): tests/test_exercises.py gives them rows it makes up.
 
 def exit_problems(job, script=None):
     if job.timed_out:
@@ -177,8 +178,7 @@ def order_problems(samples):
     return []
 
 
-def writer_problems(job, script, multinode=False):
-    saves = job.records("saves.jsonl")
+def writer_problems(saves, script, multinode=False):
     if not saves:
         return ["nothing was saved: save every save_every epochs (and after the last one)"]
     ranks = sorted({save["rank"] for save in saves}, key=str)
@@ -215,11 +215,10 @@ def divergence_problems(samples, script):
     return []
 
 
-def barrier_problems(job, script):
+def barrier_problems(begins, saves, script):
     """With every save slowed down, no rank may begin an epoch while the last snapshot is still being written (a save
     that a kill cut short was still being written when the job ended)."""
-    begins = job.records("begins.jsonl")
-    ended = {(save["pid"], save["began"]): save for save in job.records("saves.jsonl")}
+    ended = {(save["pid"], save["began"]): save for save in saves}
     for save in (row for row in begins if row["what"] == "save"):
         done = ended.get((save["pid"], save["began"]))
         for row in begins:
@@ -234,8 +233,7 @@ def barrier_problems(job, script):
     return []
 
 
-def teardown_problems(job):
-    exits = job.records("exits.jsonl")
+def teardown_problems(exits):
     last = max((row["restart"] for row in exits), default=0)  # an attempt torchrun stopped ended as it could
     still_open = sorted({row["rank"] for row in exits if row["open"] and row["restart"] == last}, key=str)
     if not still_open:
@@ -276,6 +274,33 @@ def resume_problems(samples):
     return []
 
 
+def restart_problems(samples, epochs, no_barrier=False):
+    """Where the job restarted after the kill in epoch KILLED_EPOCH resumed and how far it went (rank 0's passes);
+    when at the right epoch, whether it resumed the state that epoch began with (resume_problems)."""
+    restarted = [row for row in samples if row["restart"] >= 1 and row["rank"] == 0]
+    if not restarted:
+        return ["no rank trained after the restart"]
+    resumed_at = [row["epoch"] for row in restarted]
+    if None in resumed_at:
+        return ["the restarted job's sampler has no epoch: use a DistributedSampler and set_epoch"]
+    expected = [KILLED_EPOCH - 1, KILLED_EPOCH] if no_barrier else [KILLED_EPOCH]
+    first, problems = min(resumed_at), []
+    if first == 0:
+        problems.append(f"after the kill in epoch {KILLED_EPOCH} the restarted job started over from epoch 0: "
+                        f"epochs 0-{KILLED_EPOCH - 1} were lost. Save a snapshot (model, optimizer, epochs run) every "
+                        "save_every epochs, and at start load it, if it exists, and go on from there")
+    elif first < min(expected):
+        problems.append(f"the restarted job repeated epoch {listed(range(first, KILLED_EPOCH))}, which finished and "
+                        f"was saved before the kill: store the number of epochs *run* (epoch + 1) and start there")
+    elif first > max(expected):
+        problems.append(f"the restarted job skipped epoch {listed(range(KILLED_EPOCH, first))}, which the kill "
+                        "interrupted: resume at the first epoch that did not finish")
+    if max(resumed_at) != epochs - 1:
+        problems.append(f"the restarted job stopped after epoch {max(resumed_at)}, not {epochs - 1}")
+    # the state is judged only at the right epoch: one resumed at a wrong epoch cannot be the state it began with
+    return problems or resume_problems(samples)
+
+
 def last_saved(writes, workdir):
     """The file the job saved last (a .tmp written then renamed counts under its final name), or None."""
     for _, _, path in reversed(writes):
@@ -301,23 +326,40 @@ def checkpoint_problems(job, workdir, script):
     if path is None:
         return []  # writer_problems says it
     try:
-        state = model_state_in(torch.load(path, map_location="cpu", weights_only=True))
+        saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         return [f"{path.name} cannot be loaded ({type(error).__name__}: {str(error).splitlines()[0]})"]
-    expected = make_workload().model.state_dict().keys()
+    return saved_state_problems(path.name, saved, job.records("saves.jsonl"), script)
+
+
+def saved_state_problems(name, saved, saves, script):
+    """Whether what was saved in the file `name` holds a model state_dict that a fresh model loads."""
+    state = model_state_in(saved)
     if state is None:
-        return [f"{path.name} holds no model state_dict"]
-    if set(state) == {f"module.{key}" for key in expected}:
-        saves = job.records("saves.jsonl")
+        return [f"{name} holds no model state_dict"]
+    model = make_workload().model
+    if set(state) == {f"module.{key}" for key in model.state_dict()}:
         where = "".join(f" in what the save at {line} writes" for line in lines_in(saves[-1]["stack"] if saves else (),
                                                                                      script, innermost=1))
-        return [f"{path.name} holds the DDP wrapper's state_dict (every key starts with 'module.'), which a plain "
+        return [f"{name} holds the DDP wrapper's state_dict (every key starts with 'module.'), which a plain "
                 f"model cannot load: save self.model.module.state_dict(), the model inside DDP{where}"]
     try:
-        make_workload().model.load_state_dict(state)
+        model.load_state_dict(state)
     except RuntimeError as error:
-        return [f"{path.name} does not load into a fresh model: {str(error).splitlines()[0]}"]
+        return [f"{name} does not load into a fresh model: {str(error).splitlines()[0]}"]
     return []
+
+
+def pass_epoch(row, samples):
+    """The epoch a pass trained: its sampler's (set_epoch's); when that stayed put over its attempt's passes (set_epoch
+    never called), its number among them, which is the epoch in a job that never restarted (None after a restart:
+    nothing tells)."""
+    if row["epoch"] is None:
+        return row["number"]
+    if sum(other["rank"] == row["rank"] and other["restart"] == row["restart"] and other["epoch"] == row["epoch"]
+           for other in samples) == 1:
+        return row["epoch"]
+    return row["number"] if row["restart"] == 0 else None
 
 
 def loss_problems(output, epochs, samples):
@@ -330,8 +372,7 @@ def loss_problems(output, epochs, samples):
         return [f"the model did not learn: the loss went from {losses[0]} (epoch 0) to {losses[epochs - 1]} "
                 f"(epoch {epochs - 1})"]
     for epoch, printed in sorted(losses.items()):  # the last attempt's record of each epoch, rank by rank
-        own = {row["rank"]: row for row in samples
-               if (row["number"] if row["epoch"] is None else row["epoch"]) == epoch}
+        own = {row["rank"]: row for row in samples if pass_epoch(row, samples) == epoch}
         if len(own) < 2 or any(row.get("loss") is None for row in own.values()):
             continue
         weights = {rank: len(row["indices"]) for rank, row in own.items()}
@@ -358,11 +399,13 @@ def training_problems(job, workdir, epochs, script, multinode=False, snapshots=F
     if trained:
         return trained
     problems = (ddp_problems(job.samples) or divergence_problems(job.samples, script)) + shard_problems(job.samples)
-    problems += order_problems(job.samples) + writer_problems(job, script, multinode)
-    problems += checkpoint_problems(job, workdir, script) + (barrier_problems(job, script) if snapshots else [])
+    saves = job.records("saves.jsonl")
+    problems += order_problems(job.samples) + writer_problems(saves, script, multinode)
+    problems += checkpoint_problems(job, workdir, script)
+    problems += barrier_problems(job.records("begins.jsonl"), saves, script) if snapshots else []
     if not job.ok:
         return problems or exit_problems(job, script)
-    return problems + loss_problems(job.output, epochs, job.samples) + teardown_problems(job)
+    return problems + loss_problems(job.output, epochs, job.samples) + teardown_problems(job.records("exits.jsonl"))
 
 
 def check_ddp(script, workdir, say):
@@ -395,28 +438,7 @@ def check_resume(script, workdir, say):
         return problems
     # without a barrier, the kill can land before the last snapshot is on disk: resuming an epoch early is then right
     no_barrier = any("barrier()" in problem for problem in problems)
-    expected = [KILLED_EPOCH - 1, KILLED_EPOCH] if no_barrier else [KILLED_EPOCH]
-    resumed_at = [row["epoch"] for row in restarted]
-    if not restarted:
-        return problems + ["no rank trained after the restart"]
-    if None in resumed_at:
-        return problems + ["the restarted job's sampler has no epoch: use a DistributedSampler and set_epoch"]
-    first, judged = min(resumed_at), len(problems)
-    if first == 0:
-        problems.append(f"after the kill in epoch {KILLED_EPOCH} the restarted job started over from epoch 0: "
-                        f"epochs 0-{KILLED_EPOCH - 1} were lost. Save a snapshot (model, optimizer, epochs run) every "
-                        "save_every epochs, and at start load it, if it exists, and go on from there")
-    elif first < min(expected):
-        problems.append(f"the restarted job repeated epoch {listed(range(first, KILLED_EPOCH))}, which finished and "
-                        f"was saved before the kill: store the number of epochs *run* (epoch + 1) and start there")
-    elif first > max(expected):
-        problems.append(f"the restarted job skipped epoch {listed(range(KILLED_EPOCH, first))}, which the kill "
-                        "interrupted: resume at the first epoch that did not finish")
-    if max(resumed_at) != epochs - 1:
-        problems.append(f"the restarted job stopped after epoch {max(resumed_at)}, not {epochs - 1}")
-    if len(problems) > judged:  # resumed at the wrong epoch, its state cannot be the one that epoch began with
-        return problems
-    return problems + resume_problems(job.samples)
+    return problems + restart_problems(job.samples, epochs, no_barrier)
 
 
 def check_two_nodes(script, workdir, say):
@@ -495,7 +517,9 @@ def accumulation_reference(text):
 
 def accumulation_problems(steps, reference):
     """What the recorded optimizer steps of rank 0 say about the accumulation: their number, the all-reduce rounds
-    each took, the size of the first one's gradient, and the learning rate each used."""
+    each took, the size of the first one's gradient, and the learning rate each used. With the right number of steps,
+    the communication (or, when that is right, the gradient's size) and the schedule are judged apart: a script can
+    get both wrong."""
     from utils.loop import WarmupCosine
 
     norm, peak_lr, steps_per_epoch = reference
@@ -506,27 +530,32 @@ def accumulation_problems(steps, reference):
         return [f"rank 0 took {len(steps)} optimizer steps in {ACCUM_EPOCHS} epochs, expected {expected_steps}: "
                 f"with --grad_accum {K}, step the optimizer once per {K} micro-batches (when `last` is True), "
                 "not after every micro-batch"]
+    problems = []
     rounds = sorted({step["rounds"] for step in steps})
-    if rounds != [1]:
-        return [f"DDP all-reduced the gradients {listed(rounds)} time(s) per optimizer step, once per micro-batch: "
-                f"with --grad_accum {K} that is {K}x the communication. Run all but the last micro-batch inside "
-                "`with self.model.no_sync():`, the forward too (DDP decides in forward whether backward syncs)"]
     ratio = steps[0]["grad_norms"][0] / norm
-    if abs(ratio - K) < 0.01 * K:
-        return [f"the gradient of an optimizer step is {ratio:.2f}x the mean over its micro-batches: the K={K} "
-                "micro-batches' gradients add up, so divide each micro-batch's loss by K (by `micro_batches`) "
-                "before backward"]
-    if abs(ratio - 1) > 0.01:
-        return [f"the gradient of the first optimizer step is {ratio:.2f}x the mean over its {K} micro-batches on "
-                f"{WORLD_SIZE} ranks, expected 1x: each step must average exactly those samples"]
+    # With a round per micro-batch, the first round's gradient is not the step's: its size says nothing then.
+    if rounds != [1]:
+        problems.append(f"DDP all-reduced the gradients {listed(rounds)} time(s) per optimizer step, once per "
+                        f"micro-batch: with --grad_accum {K} that is {K}x the communication. Run all but the last "
+                        "micro-batch inside `with self.model.no_sync():`, the forward too (DDP decides in forward "
+                        "whether backward syncs)")
+    elif abs(ratio - K) < 0.01 * K:
+        problems.append(f"the gradient of an optimizer step is {ratio:.2f}x the mean over its micro-batches: the K={K} "
+                        "micro-batches' gradients add up, so divide each micro-batch's loss by K (by `micro_batches`) "
+                        "before backward")
+    elif abs(ratio - 1) > 0.01:
+        problems.append(f"the gradient of the first optimizer step is {ratio:.2f}x the mean over its {K} "
+                        f"micro-batches on {WORLD_SIZE} ranks, expected 1x: each step must average exactly those "
+                        "samples")
     factor = WarmupCosine(expected_steps)
     for number, step in enumerate(steps):
         expected = peak_lr * factor(number)
         if abs(step["lr"] - expected) > 1e-6 * peak_lr:
-            return [f"optimizer step {number} used learning rate {step['lr']:.3g}, expected {expected:.3g}: the "
-                    "warm-up + cosine schedule counts optimizer steps, so call scheduler.step() once per optimizer "
-                    "step (after the last micro-batch), not once per micro-batch"]
-    return []
+            problems.append(f"optimizer step {number} used learning rate {step['lr']:.3g}, expected {expected:.3g}: "
+                            "the warm-up + cosine schedule counts optimizer steps, so call scheduler.step() once per "
+                            "optimizer step (after the last micro-batch), not once per micro-batch")
+            break
+    return problems
 
 
 def check_grad_accum(script, workdir, say):
