@@ -96,3 +96,24 @@ def test_a_test_not_marked_slow_cannot_start_python_processes_but_may_run_quick_
     with pytest.raises(AssertionError, match=r"starts processes: mark it @pytest\.mark\.slow"):
         multiprocessing.get_context("spawn").Process(target=print).start()
     assert subprocess.run(["git", "--version"], capture_output=True, check=True).stdout.startswith(b"git version")
+
+
+def test_a_run_cut_short_stops_its_job_which_no_signal_to_this_process_reaches(tmp_path):
+    """Ctrl-C (or pytest's timeout) in the middle of run(): the job's processes live in sessions of their own, so
+    run() itself must stop them before the interrupt goes on."""
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(["sh", "-c", f"echo $$ > {tmp_path / 'pid'}; exec sleep 30"], cwd=tmp_path, timeout=10)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    pid = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -434,8 +434,8 @@ def _shared_run(commands, timeout, options):
         fcntl.flock(lock, fcntl.LOCK_EX)  # the first caller runs it; the others wait here, then read what it did
         if not (folder / "job.json").exists():
             (folder / "work").mkdir(exist_ok=True)
-            job = Job(*commands, cwd=folder / "work", logs=folder / "logs", **options)
-            job.wait(timeout)
+            with Job(*commands, cwd=folder / "work", logs=folder / "logs", **options) as job:
+                job.wait(timeout)
             (folder / "key.json").write_text(key)
             (folder / "job.json").write_text(json.dumps(dict(commands=job.commands, codes=job.codes, limit=job.limit,
                                                              recorded=job.recorded)))
@@ -454,8 +454,10 @@ def run(*commands, timeout=120, check=True, shared=False, **options):
     if shared and os.environ.get(SHARED_VARIABLE):
         job = _shared_run(commands, timeout, options)
     else:
-        job = Job(*commands, **options)
-        job.wait(timeout)
+        # As a context, the job is stopped if the wait is cut short (Ctrl-C, a test's timeout): its processes run
+        # in sessions of their own, which no signal to this process reaches.
+        with Job(*commands, **options) as job:
+            job.wait(timeout)
     if check and not job.ok:
         raise AssertionError(f"{job.describe()}; its output ends:\n{job.output[-4000:]}")
     return job
