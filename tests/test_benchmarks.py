@@ -6,7 +6,7 @@ import runpy
 
 import pytest
 
-from tools.jobs import REPO
+from tools.jobs import PYTHON, REPO, run, script
 
 
 def run_benchmark(monkeypatch, capsys, name, *args):
@@ -103,11 +103,14 @@ def test_gpt_scaling_compares_ddp_with_the_ceiling_for_each_grad_accum(tmp_path,
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
-def test_communication_counts_each_layouts_collectives_per_optimizer_step(monkeypatch, capsys):
+def test_communication_counts_each_layouts_collectives_per_optimizer_step(tmp_path):
     """4 processes, the CPU-size GPT (2 blocks): TP all-reduces activations twice per block in the forward (after
     attention and after the MLP) and twice in the backward (at their inputs); FSDP gathers each of its 4 units
-    (embedding, 2 blocks, head) before the forward and the backward and reduce-scatters them; DDP only all-reduces."""
-    text = run_benchmark(monkeypatch, capsys, "communication.py", "--steps", 1, "--rounds", 1, "--chars", 20000)
+    (embedding, 2 blocks, head) before the forward and the backward and reduce-scatters them; DDP only all-reduces.
+    A job of its own, not run_benchmark: notebooks/07_tensor_parallel.ipynb runs the same one, so in a test session
+    it runs once (shared)."""
+    text = run([PYTHON, script("benchmarks/communication.py"), "--steps", 1, "--rounds", 1, "--chars", 20000],
+               cwd=tmp_path, timeout=300, shared=True).output
     rows = {row[0]: row[1:] for row in re.findall(r"^\| (\w+) \| (dp \d x tp \d) \| (.+?) \| (.+?) \| ([\d,]+) \|$",
                                                    text, re.M)}
     assert list(rows) == ["DDP", "FSDP", "TP", "2D"], text
