@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements-installed
 
-.PHONY: demo test
+.PHONY: demo test test-fast
 
 # The pins (torch's wheels, matplotlib) need Python 3.11 or newer: an older one stops here with one line, not a pip error.
 PYTHON_IS_NEW_ENOUGH = $(shell $(PYTHON) -c 'import sys; print(sys.version_info >= (3, 11))' 2>/dev/null)
@@ -22,6 +22,9 @@ demo: $(STAMP)  ## run every step briefly on whatever this machine has
 
 test: $(STAMP)  ## the whole test suite
 	$(PY) -m pytest
+
+test-fast: $(STAMP)  ## the tests that start no processes (docs, diffs, bad input, verdicts, reports): while editing
+	$(PY) -m pytest -m "not slow" tests
 
 .PHONY: two-hosts mini-slurm
 

@@ -40,6 +40,7 @@ def test_epochs_must_be_a_positive_whole_number(tmp_path, monkeypatch, capsys, s
     assert list(tmp_path.iterdir()) == [], "nothing may be written"
 
 
+@pytest.mark.slow
 def test_a_bad_argument_exits_non_zero_for_real(tmp_path):
     job = run(python("multigpu.py", "0", "1"), cwd=tmp_path, check=False)
     assert_one_clear_error(job, "total_epochs", "at least 1")

@@ -29,6 +29,7 @@ def assert_verdict_follows(verdict, meets, figure, goal, rounding):
         assert verdict == ("met" if meets else "NOT met"), (verdict, figure, goal)
 
 
+@pytest.mark.slow
 def test_scaling_prints_a_table_against_the_ceiling_and_draws_it(tmp_path, monkeypatch, capsys):
     plot = tmp_path / "scaling.png"
     text = run_benchmark(monkeypatch, capsys, "scaling.py", "--devices", "cpu", "--max_procs", 2, "--rounds", 1,
@@ -52,6 +53,7 @@ def test_overhead_compares_the_trainer_with_a_bare_loop(monkeypatch, capsys):
                            rounding=0.0005)
 
 
+@pytest.mark.slow
 def test_recovery_times_a_kill_against_a_cold_start(monkeypatch, capsys):
     text = run_benchmark(monkeypatch, capsys, "recovery.py", "--epochs", 6, "--save_every", 2, "--kill_after", 3,
                          "--nproc", 1)  # one worker per attempt is enough to time a restart
@@ -71,6 +73,7 @@ def test_recovery_times_a_kill_against_a_cold_start(monkeypatch, capsys):
         assert lost[3] is None, text
 
 
+@pytest.mark.slow
 def test_restarts_counts_a_killed_job_that_resumes(monkeypatch, capsys):
     text = run_benchmark(monkeypatch, capsys, "restarts.py", "--kills", 1, "--epochs", 4, "--timeout", 60)
     assert re.search(r"^1 jobs, 1 node\(s\), torchrun's shared store", text, re.M), text
@@ -78,6 +81,7 @@ def test_restarts_counts_a_killed_job_that_resumes(monkeypatch, capsys):
     assert re.search(r"^resumed 1 of 1; kill -> resume median [\d.]+ s", text, re.M), text
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks what it says on a machine without CUDA")
 def test_dataparallel_against_ddp_says_what_it_compares_on_a_cpu(monkeypatch, capsys):
     text = run_benchmark(monkeypatch, capsys, "dataparallel_vs_ddp.py", "--workload", "synthetic", "--steps", 8,
@@ -88,6 +92,7 @@ def test_dataparallel_against_ddp_says_what_it_compares_on_a_cpu(monkeypatch, ca
     assert re.search(r"DDP / one process: [\d.]+x", text)
 
 
+@pytest.mark.slow
 def test_gpt_scaling_compares_ddp_with_the_ceiling_for_each_grad_accum(tmp_path, monkeypatch, capsys):
     plot = tmp_path / "gpt_scaling.png"
     text = run_benchmark(monkeypatch, capsys, "gpt_scaling.py", "--rounds", 1, "--grad_accum", 1, 2, "--chars", 3000,
@@ -103,6 +108,7 @@ def test_gpt_scaling_compares_ddp_with_the_ceiling_for_each_grad_accum(tmp_path,
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.slow
 def test_communication_counts_each_layouts_collectives_per_optimizer_step(tmp_path):
     """4 processes, the CPU-size GPT (2 blocks): TP all-reduces activations twice per block in the forward (after
     attention and after the MLP) and twice in the backward (at their inputs); FSDP gathers each of its 4 units
@@ -124,6 +130,7 @@ def test_communication_counts_each_layouts_collectives_per_optimizer_step(tmp_pa
     assert re.fullmatch(r"[\d.]+ \(dp\) \+ [\d.]+ \(tp\)", rows["2D"][2]), rows["2D"]
 
 
+@pytest.mark.slow
 def test_pipeline_bubble_measures_each_schedule_against_the_formula_and_draws_a_step(tmp_path, monkeypatch, capsys):
     """The recorder's timings of the stages' passes become the table; the held activations need no timing at all:
     GPipe holds all M micro-batches at stage 0, 1F1B at most the 2 stages'."""
@@ -136,6 +143,7 @@ def test_pipeline_bubble_measures_each_schedule_against_the_formula_and_draws_a_
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.slow
 def test_gpt_precision_compares_each_variant_with_fp32_from_real_runs(monkeypatch, capsys):
     """Two real runs of gpt.py (fp32, bf16) on a short text: a row each, and each ratio is its tokens/s over fp32's."""
     text = run_benchmark(monkeypatch, capsys, "gpt_precision.py", "--variants", "fp32", "bf16", "--epochs", 2,

@@ -14,6 +14,7 @@ def demo_dir(tmp_path, monkeypatch):
     (tmp_path / "demo").mkdir()
 
 
+@pytest.mark.slow
 def test_a_step_that_fails_stops_the_demo_with_one_line_naming_it(demo_dir):
     with pytest.raises(SystemExit) as stop:
         demo.show("Step 2: DDP with mp.spawn", python("multigpu.py", 0, 1), timeout=60)  # epochs must be >= 1
@@ -21,6 +22,7 @@ def test_a_step_that_fails_stops_the_demo_with_one_line_naming_it(demo_dir):
                         str(stop.value)), stop.value
 
 
+@pytest.mark.slow
 def test_a_step_that_runs_past_its_time_stops_the_demo_instead_of_counting_as_done(demo_dir):
     with pytest.raises(SystemExit) as stop:
         demo.show("a slow step", python("multigpu.py", 500, 500), timeout=3)

@@ -52,6 +52,7 @@ def test_the_repositorys_step_passes_its_exercise(number, tmp_path):
     assert checked(number, script(STEPS[number]), tmp_path) == ""
 
 
+@pytest.mark.slow
 def test_starting_file_1_runs_in_one_process_and_the_checker_says_so(tmp_path):
     job = run([PYTHON, REPO / "exercises/check.py", 1, REPO / STARTS[1]], cwd=tmp_path, check=False)
     assert job.returncode == 1, job.output
@@ -71,6 +72,7 @@ def test_starting_file_3_trains_out_of_step_when_nodes_have_their_own_disks(tmp_
     assert re.search(r"the nodes trained out of step: rank 0 began at epoch 3; rank 1 began at epoch 0", problems)
 
 
+@pytest.mark.slow
 def test_a_run_stopped_at_its_time_limit_is_said_to_have_run_that_long(tmp_path):
     job = run([PYTHON, "-c", "import time; time.sleep(30)"], cwd=tmp_path, timeout=0.5, check=False)
     [problem] = exit_problems(job)
@@ -97,6 +99,7 @@ def test_checker_refuses_a_missing_script(tmp_path, monkeypatch):
     assert str(stop.value) == "error: no_such_script.py is not a file"
 
 
+@pytest.mark.slow
 def test_a_dataloader_without_distributed_sampler_shows_as_overlapping_ranks(tmp_path):
     mistaken = seeded(tmp_path, "multigpu.py",
                       (r"shuffle=False,\s*sampler=DistributedSampler\(dataset\)\)", "shuffle=True)"),
@@ -107,6 +110,7 @@ def test_a_dataloader_without_distributed_sampler_shows_as_overlapping_ranks(tmp
                      r"sampler=DistributedSampler\(dataset\)", problems), problems
 
 
+@pytest.mark.slow
 def test_a_missing_set_epoch_and_saving_on_every_rank_are_both_named(tmp_path):
     mistaken = seeded(tmp_path, "multigpu.py",
                       (r"\n *self\.train_data\.sampler\.set_epoch\(epoch\).*", ""),
@@ -127,6 +131,7 @@ def test_a_snapshot_that_stores_the_finished_epoch_repeats_it_after_the_kill(tmp
 
 # --- exercise 4: gradient accumulation (each a 2-process run of ~8 optimizer steps on a short text) -------------------
 
+@pytest.mark.slow
 def test_starting_file_4_steps_after_every_micro_batch_and_the_checker_says_so(tmp_path):
     problems = checked(4, REPO / STARTS[4], tmp_path)
     assert problems == ("rank 0 took 16 optimizer steps in 2 epochs, expected 8: with --grad_accum 2, step the "
@@ -134,6 +139,7 @@ def test_starting_file_4_steps_after_every_micro_batch_and_the_checker_says_so(t
         problems
 
 
+@pytest.mark.slow
 def test_accumulating_without_no_sync_shows_as_one_all_reduce_per_micro_batch(tmp_path):
     mistaken = seeded(tmp_path, "gpt.py", (r"contextlib\.nullcontext\(\) if last else self\.model\.no_sync\(\)",
                                            "contextlib.nullcontext()"))
@@ -142,12 +148,14 @@ def test_accumulating_without_no_sync_shows_as_one_all_reduce_per_micro_batch(tm
                                "with --grad_accum 2 that is 2x the communication."), problems
 
 
+@pytest.mark.slow
 def test_a_loss_not_divided_by_k_shows_as_a_gradient_k_times_too_large(tmp_path):
     mistaken = seeded(tmp_path, "gpt.py", (r"scale\(loss / micro_batches\)", "scale(loss)"))
     problems = checked(4, mistaken, tmp_path)
     assert problems.startswith("the gradient of an optimizer step is 2.00x the mean over its micro-batches"), problems
 
 
+@pytest.mark.slow
 def test_a_scheduler_stepped_per_micro_batch_shows_in_the_learning_rates(tmp_path):
     stepped_per_optimizer_step = r"\n *if self\.scaler\.get_scale\(\) >= scale:.*\n *self\.scheduler\.step\(\).*"
     mistaken = seeded(tmp_path, "gpt.py", (stepped_per_optimizer_step, ""),
@@ -160,6 +168,7 @@ def test_a_scheduler_stepped_per_micro_batch_shows_in_the_learning_rates(tmp_pat
 
 # --- exercise 5: 2D parallelism (a 4-process run, dp 2 x tp 2, of 16 optimizer steps on a short text) ----------------
 
+@pytest.mark.slow
 def test_starting_file_5_splits_the_data_over_every_rank_and_the_checker_says_so(tmp_path):
     problems = checked(5, REPO / STARTS[5], tmp_path)
     assert re.fullmatch(r"ranks 0 and 1 form a tp group \(dp 0: they compute one model together, each with 1/2 of "
@@ -239,8 +248,8 @@ MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if MISTAKES[name][0] > 1 else [])
-                                  for name in MISTAKES])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MISTAKES))
 def test_a_seeded_mistake_gets_the_verdict_that_names_it_and_nothing_else(name, tmp_path, monkeypatch, capsys):
     """`python exercises/check.py N mistaken.py` (main(), in this process) exits non-zero with one verdict per
     mistake, in the learner's terms and naming their line, and none of what gloo and torchrun print around a crash."""

@@ -129,9 +129,31 @@ def test_the_line_for_an_unreadable_snapshot_says_what_is_wrong_not_to_load_it_u
 @pytest.mark.parametrize("write_snapshot", [write_garbage, write_other_models_snapshot, write_single_device_checkpoint,
                                             write_empty],
                          ids=["garbage bytes", "another model", "single-device checkpoint", "empty file"])
-def test_a_snapshot_that_cannot_be_resumed_stops_the_job_with_one_line_and_stays_in_place(tmp_path, write_snapshot):
+def test_a_snapshot_that_cannot_be_resumed_stops_with_one_line_that_names_it_and_its_cause(tmp_path, write_snapshot):
+    """multigpu_torchrun.py's _load_snapshot, in this process, on each kind of file that is no snapshot of this model:
+    one line naming the file and the cause (the test below runs a real job on one of them)."""
+    import multigpu_torchrun
+
     path = tmp_path / SNAPSHOT
     write_snapshot(path)
+    workload = make_workload()
+    trainer = multigpu_torchrun.Trainer.__new__(multigpu_torchrun.Trainer)  # no __init__: it needs a process group
+    trainer.model, trainer.optimizer, trainer.device = workload.model, workload.optimizer, torch.device("cpu")
+    trainer.snapshot_path, trainer.tag = str(path), "[rank 0/1 | cpu]"
+    with pytest.raises(SystemExit) as stop:
+        trainer._load_snapshot()
+    assert re.fullmatch(rf"error: cannot resume from \S*{SNAPSHOT} \(\w+: [^\n]*\); it is left in place: move it away "
+                        r"to start anew", str(stop.value)), stop.value
+    if write_snapshot is write_empty:
+        assert "(EOFError: the file ends too early (empty, or cut short))" in str(stop.value)
+
+
+@pytest.mark.slow
+def test_a_job_that_finds_an_unusable_snapshot_stops_with_one_line_and_leaves_it_in_place(tmp_path):
+    """The real job on garbage bytes: a non-zero exit, the one line (no traceback through the script), no epoch
+    trained, and the file as it was."""
+    path = tmp_path / SNAPSHOT
+    write_garbage(path)
     before = path.read_bytes()
     job = run(torchrun("multigpu_torchrun.py", *ARGS, nproc=1), cwd=tmp_path, check=False)  # one rank is enough
     assert job.returncode not in (0, None), job.output

@@ -82,6 +82,7 @@ def in_a_fork(work, *args):
 
 # --- restarts and the process group ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_worker_killed_on_one_of_two_nodes_restarts_and_both_resume_with_torchruns_shared_store(tmp_path):
     """The restart of test_fault_tolerance.py on two nodes, where each torchrun counts its own restarts: the ranks
     must still agree on their attempt's keys (utils.attempt_store). No TORCH_DISABLE_SHARE_RDZV_TCP_STORE."""
@@ -99,6 +100,7 @@ def test_a_worker_killed_on_one_of_two_nodes_restarts_and_both_resume_with_torch
     assert torch.load(tmp_path / "snapshot.pt", weights_only=True)["EPOCHS_RUN"] == 6
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_reaches_the_process_group_stops_the_others_within_the_timeout(tmp_path):
     timeout = 5
     with start(torchrun("multigpu_torchrun.py", 2, 1, "--timeout", timeout), cwd=tmp_path, stall_init=1) as job:
@@ -113,6 +115,7 @@ def test_a_rank_that_never_reaches_the_process_group_stops_the_others_within_the
                      re.M), job.output[-3000:]
 
 
+@pytest.mark.slow
 def test_workers_of_a_torchrun_killed_with_sigkill_stop_at_once_and_write_through_files_of_their_own(tmp_path):
     """torchrun killed with SIGKILL cannot stop its workers: they must notice and stop themselves, instead of training
     on and writing the snapshot a new run of the same command reads."""
@@ -276,6 +279,7 @@ def test_git_ignores_what_a_save_leaves_when_it_is_cut_short():
 
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not ROOT, reason="mounts a small tmpfs: needs root")
 def test_a_full_disk_stops_the_job_with_one_line_removes_the_partial_file_and_keeps_the_last_snapshot(tmp_path):
     buffer = io.BytesIO()
@@ -293,6 +297,7 @@ def test_a_full_disk_stops_the_job_with_one_line_removes_the_partial_file_and_ke
     assert kept == 1, "the snapshot of epoch 0 stays"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not ROOT, reason="mounts a small tmpfs: needs root")
 def test_fsdp_on_a_full_disk_removes_its_partial_snapshot_directory_and_keeps_the_last_one(tmp_path):
     with small_disk(tmp_path / "disk", free_bytes=160 * 1024) as disk:  # the synthetic model's shards: ~70 kB
@@ -308,17 +313,26 @@ def test_fsdp_on_a_full_disk_removes_its_partial_snapshot_directory_and_keeps_th
 
 
 def test_a_finished_job_run_again_says_so_instead_of_exiting_0_having_done_nothing(tmp_path):
+    """multigpu_torchrun.py's Trainer, in this process, with a snapshot that holds the 3 epochs asked for already: it
+    stops with one line before any epoch (a SystemExit: the job exits 1, as with every one-line error), and the
+    snapshot is not touched. The official tutorial exits 0 here, having done nothing."""
+    import multigpu_torchrun
+
     torch.save(snapshot_of(3), tmp_path / "snapshot.pt")
     before = (tmp_path / "snapshot.pt").read_bytes()
-    job = run(torchrun("multigpu_torchrun.py", 3, 1, nproc=1), cwd=tmp_path, check=False)
-    assert job.returncode not in (0, None), job.output
-    assert "error: snapshot.pt holds 3 epochs already, and TOTAL_EPOCHS is 3: nothing to train. Ask for more " \
-           "epochs, or move it away to start anew" in job.errors, job.output
-    assert not job.losses and (tmp_path / "snapshot.pt").read_bytes() == before
+    trainer = multigpu_torchrun.Trainer.__new__(multigpu_torchrun.Trainer)  # no __init__: it needs a process group
+    trainer.epochs_run, trainer.snapshot_path = 3, "snapshot.pt"
+    trainer._run_epoch = lambda epoch: pytest.fail(f"it trained epoch {epoch}")
+    with pytest.raises(SystemExit) as stop:
+        trainer.train(3)
+    assert str(stop.value) == ("error: snapshot.pt holds 3 epochs already, and TOTAL_EPOCHS is 3: nothing to train. "
+                               "Ask for more epochs, or move it away to start anew")
+    assert (tmp_path / "snapshot.pt").read_bytes() == before
 
 
 # --- the command ------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_nodes_started_with_different_arguments_stop_before_training_with_one_line(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [torchrun_node("multinode.py", epochs, 1, endpoint=endpoint, run_id="mismatch") for epochs in (4, 6)]
@@ -332,6 +346,7 @@ def test_nodes_started_with_different_arguments_stop_before_training_with_one_li
     assert not job.losses and not (tmp_path / "snapshot.pt").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_to_the_one_device_step_stops_it_with_one_line_and_keeps_the_checkpoint(tmp_path):
     """Step 1 has no launcher and no workers: Ctrl-C (SIGINT to its process group, as a terminal sends it) used to
     print Python's KeyboardInterrupt traceback."""
@@ -347,6 +362,7 @@ def test_ctrl_c_to_the_one_device_step_stops_it_with_one_line_and_keeps_the_chec
     make_workload().model.load_state_dict(torch.load(tmp_path / "checkpoint.pt", weights_only=True))  # whole
 
 
+@pytest.mark.slow
 def test_ctrl_c_to_the_process_that_spawned_the_workers_stops_them_at_once_and_keeps_the_checkpoint(tmp_path):
     """`kill -INT` to `python multigpu.py` alone (not its process group): the workers used to train on to the last
     epoch, then the parent printed a traceback."""
@@ -369,6 +385,7 @@ def test_ctrl_c_to_the_process_that_spawned_the_workers_stops_them_at_once_and_k
 
 
 
+@pytest.mark.slow
 def test_ctrl_c_to_torchrun_stops_every_worker_with_one_line_undoes_the_save_under_way_and_keeps_the_last(tmp_path):
     """Ctrl-C as a terminal sends it: SIGINT to torchrun's process group, which holds torchrun alone (it starts each
     worker in a session of its own), while rank 0 writes a snapshot (every save made slow: a slow disk). torchrun

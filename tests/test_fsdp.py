@@ -41,6 +41,7 @@ def held_out_loss(output):
     return float(re.search(r"held-out \d+ samples \| loss ([\d.]+)", output)[1])
 
 
+@pytest.mark.slow
 def test_fsdp_follows_the_same_loss_trajectory_as_ddp(wide_runs):
     fsdp, ddp = (epoch_losses(wide_runs[s].output) for s in ("fsdp", "ddp"))
     assert sorted(fsdp) == sorted(ddp) == list(range(EPOCHS)), wide_runs["fsdp"].output
@@ -50,6 +51,7 @@ def test_fsdp_follows_the_same_loss_trajectory_as_ddp(wide_runs):
     assert held_out_loss(wide_runs["fsdp"].output) == pytest.approx(held_out_loss(wide_runs["ddp"].output), abs=2e-4)
 
 
+@pytest.mark.slow
 def test_exported_full_model_is_the_gathered_snapshot_and_loads_without_distributed(wide_runs):
     cwd = wide_runs["fsdp"].cwd / "runs"
     assert "[rank 0/2 | local 0 | cpu] full model saved to runs/model_full.pt" in wide_runs["fsdp"].output
@@ -70,6 +72,7 @@ def test_exported_full_model_is_the_gathered_snapshot_and_loads_without_distribu
     assert metrics["loss"] == pytest.approx(held_out_loss(wide_runs["fsdp"].output), abs=2e-4)
 
 
+@pytest.mark.slow
 def test_verbose_prints_one_memory_table_per_stage_with_a_row_per_rank(wide_runs):
     for strategy, proc in wide_runs.items():
         tables = memory_tables(proc.output)
@@ -88,6 +91,7 @@ def test_verbose_prints_one_memory_table_per_stage_with_a_row_per_rank(wide_runs
             assert row["optim MiB"] == pytest.approx(2 * row["params MiB"], rel=0.02), row
 
 
+@pytest.mark.slow
 def test_fsdp_holds_a_world_size_share_of_the_training_state_that_ddp_copies(wide_runs):
     fsdp, ddp = (memory_tables(wide_runs[s].output)["end"] for s in ("fsdp", "ddp"))
     full = make_workload("wide").model
@@ -101,6 +105,7 @@ def test_fsdp_holds_a_world_size_share_of_the_training_state_that_ddp_copies(wid
     assert sum(row["params MiB"] for row in fsdp) == pytest.approx(full_mib, rel=0.01)  # one copy, split
 
 
+@pytest.mark.slow
 def test_a_killed_worker_resumes_from_the_sharded_snapshot_after_the_restart(tmp_path):
     epochs = 6
     with start(torchrun("fsdp.py", epochs, 2, launcher_args=["--max-restarts=1"]), cwd=tmp_path,
@@ -119,6 +124,7 @@ def test_a_killed_worker_resumes_from_the_sharded_snapshot_after_the_restart(tmp
     assert after_restart[resumed_at] < 0.5 * first_run[0], "the restart did not start from the trained weights"
 
 
+@pytest.mark.slow
 def test_a_snapshot_set_aside_by_a_cut_short_swap_is_put_back_and_a_corrupt_one_stops_every_rank_with_one_line(
         tmp_path):
     """A kill between the two renames of a snapshot folder's swap leaves only the old snapshot, set aside as
@@ -139,6 +145,7 @@ def test_a_snapshot_set_aside_by_a_cut_short_swap_is_put_back_and_a_corrupt_one_
     assert not (tmp_path / "snapshot.previous").exists()
 
 
+@pytest.mark.slow
 def test_bf16_with_cpu_offload_trains_on_cpu_ranks_as_fp32_does(wide_runs):
     """FSDP's mixed-precision and offload policies run on gloo too: bf16 compute and reduce-scatter (its outputs
     back in fp32 for the loss), the shards kept in (unpinned) CPU memory. Each epoch's loss within 2% of fp32's."""
@@ -174,6 +181,7 @@ def evaluate_sharded(rank, port, dataset, result_file):
     exit_without_teardown()  # as the step scripts do (utils.exit_without_teardown says why)
 
 
+@pytest.mark.slow
 def test_evaluate_runs_the_same_forward_passes_on_every_rank_and_scores_each_sample_once(tmp_path):
     inputs = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
     dataset = TensorDataset(inputs, torch.tensor([0, 1, 1, 0, 1]))  # rank 0: 3 samples (2 batches), rank 1: 2

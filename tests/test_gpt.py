@@ -10,7 +10,6 @@ import argparse
 import math
 import re
 import runpy
-import shutil
 import sys
 
 import pytest
@@ -22,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 from expect import assert_bitwise_equal, assert_one_writer
 from tools.jobs import output, run, script, shared_file, start, torchrun
 from utils import evaluate, make_workload
-from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
+from utils.gpt import DROPOUT_VARIABLE, help_pages
 from utils.loop import PEAK_VARIABLE, WarmupCosine, compiler_missing, peak_flops
 from utils.metrics import RUN_DIR_VARIABLE
 
@@ -109,6 +108,7 @@ def max_difference(a, b):
 
 # --- it learns, and says so -------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_gpt_learns_reports_tokens_per_s_and_prints_a_sample(uninterrupted, text):
     """12 optimizer steps on 4,140 characters: the held-out loss falls below 0.85 of the untrained model's (~ln 64,
     the excerpt's distinct characters)."""
@@ -123,6 +123,7 @@ def test_the_gpt_learns_reports_tokens_per_s_and_prints_a_sample(uninterrupted, 
     assert_one_writer(job.writes, job.cwd / SNAPSHOT)
 
 
+@pytest.mark.slow
 def test_the_snapshot_holds_everything_the_loop_depends_on(uninterrupted):
     snapshot = load(uninterrupted.cwd / SNAPSHOT)
     assert set(snapshot) == {"MODEL_STATE", "OPTIMIZER_STATE", "SCHEDULER_STATE", "SCALER_STATE", "RNG_STATES",
@@ -139,6 +140,7 @@ def test_the_snapshot_holds_everything_the_loop_depends_on(uninterrupted):
 
 # --- gradient accumulation --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_ranks_accumulating_two_micro_batches_of_b_end_where_one_process_with_4b_does(accumulated, text):
     """Exact up to float rounding: the same 16 samples per optimizer step, summed in another order. Adam divides by
     the gradients' running magnitude, which magnifies that rounding in a few of the 111k weights (measured: at most
@@ -161,6 +163,7 @@ def steps_of(job, rank):
     return [step for step in job.steps if step["rank"] == rank]
 
 
+@pytest.mark.slow
 def test_no_sync_all_reduces_the_gradients_once_per_optimizer_step_not_once_per_micro_batch(accumulated):
     for rank in (0, 1):
         steps = steps_of(accumulated, rank)
@@ -171,6 +174,7 @@ def test_no_sync_all_reduces_the_gradients_once_per_optimizer_step_not_once_per_
         assert step0["grad_norms"] == pytest.approx(step1["grad_norms"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_the_schedule_warms_up_then_decays_once_per_optimizer_step(accumulated):
     factor = WarmupCosine(EPOCHS * STEPS_PER_EPOCH)
     lrs = [step["lr"] for step in steps_of(accumulated, 0)]
@@ -199,6 +203,7 @@ def test_a_schedule_resumed_with_other_arguments_goes_on_from_where_it_was_to_th
     assert {round(finished(step), 12) for step in range(40, 66)} == {0.1}
 
 
+@pytest.mark.slow
 def test_a_snapshot_resumes_on_more_ranks_than_wrote_it_with_the_schedule_going_on(uninterrupted, text, tmp_path):
     """2 ranks wrote it after 3 epochs of a run planned for 6 (the uninterrupted run's snapshot, its schedule and
     learning rate set as a 6-epoch run's are after 3: what such a run leaves when it is stopped). 3 ranks resume it to
@@ -221,6 +226,12 @@ def test_a_snapshot_resumes_on_more_ranks_than_wrote_it_with_the_schedule_going_
     lrs = [step["lr"] for step in steps_of(job, 0)]
     assert lrs == pytest.approx([LR * planned(step) for step in (12, 16, 20)], rel=1e-9), lrs
     assert len(load(tmp_path / SNAPSHOT)["RNG_STATES"]) == 3
+    # 64 sequences do not split in 3: DistributedSampler pads the shuffled list with its first indices to 66, so each
+    # rank gets 22 and two sequences are trained on twice an epoch (drop_last=True would drop the tail instead).
+    shares = {row["rank"]: row["indices"] for row in job.samples}
+    assert sorted(shares) == [0, 1, 2] and [len(indices) for indices in shares.values()] == [22] * 3, shares
+    seen = [index for indices in shares.values() for index in indices]
+    assert set(seen) == set(range(64)) and len(seen) - len(set(seen)) == 2, "only the padding repeats"
 
 
 def test_a_step_that_fp16_skipped_is_no_step_of_the_schedule(tmp_path):
@@ -245,6 +256,7 @@ def test_a_step_that_fp16_skipped_is_no_step_of_the_schedule(tmp_path):
 
 # --- precision --------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bf16_on_the_cpu_tracks_fp32(accumulated, text, tmp_path):
     """The same optimizer steps in bf16 autocast: one process with K=2 micro-batches of 8 takes the same 16 samples
     per step as the accumulated fp32 job (the test above shows the layouts agree). Measured: the epoch losses agree
@@ -413,37 +425,6 @@ def test_a_snapshot_without_the_loops_state_stops_with_one_line(tmp_path):
     message = snapshot_problem(tmp_path, dict(MODEL_STATE=workload.model.state_dict(),
                                               OPTIMIZER_STATE=workload.optimizer.state_dict(), EPOCHS_RUN=1))
     assert message.startswith("error: cannot resume from") and "KeyError: 'SCHEDULER_STATE'" in message, message
-
-
-# --- FSDP ----------------------------------------------------------------------------------------------------------
-
-def test_fsdp_shards_the_gpt_block_by_block_and_trains_it(text, tmp_path):
-    """fsdp.py's units are the GPT's children (embedding, each block, head) and the root; 2 epochs of 8 steps. fsdp.py
-    has no schedule: at the GPT's constant peak rate, 16 steps of 8 sequences are too few for each epoch's training
-    loss to fall steadily, but the held-out loss shows what it learned."""
-    job = run(torchrun("fsdp.py", 2, 2, "--workload", "gpt-cpu", "--batch_size", B), cwd=tmp_path,
-              env={TEXT_VARIABLE: text}, timeout=180)
-    assert sorted(job.losses) == [0, 1], job.output
-    assert output.held_out(job.output)["loss"] < 0.8 * untrained_held_out_loss(text), job.output
-
-
-# --- the MFU's peak -------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("name, tflops", [
-    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
-    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100 80GB PCIe", 312), ("NVIDIA L4", 121), ("NVIDIA L40", 181),
-    ("NVIDIA L40S", 362), ("NVIDIA A10", 125), ("NVIDIA A10G", None), ("NVIDIA GeForce RTX 4090", 165),
-    ("NVIDIA GeForce RTX 3090", 71), ("NVIDIA B200", None), ("Tesla T4", None),
-])
-def test_the_peak_of_a_gpu_is_its_own_datasheets_and_an_unknown_one_has_none(monkeypatch, name, tflops):
-    """Names as torch.cuda.get_device_name() gives them. Each card gets its own figure, never one whose name is part of
-    its own (the L40 is not an L4, the H100 NVL not the SXM H100, the A10G not the A10); a card the table does not
-    hold has no peak, so no MFU is printed for it (TUTORIAL_PEAK_TFLOPS then gives one)."""
-    monkeypatch.delenv(PEAK_VARIABLE, raising=False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert peak_flops("cuda:0") == (None if tflops is None else tflops * 1e12)
-    monkeypatch.setenv(PEAK_VARIABLE, "50")
-    assert peak_flops("cuda:0") == 50e12
 
 
 # --- GPUs ------------------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ import os
 import runpy
 import time
 
+import pytest
 import torch
 
 from tools.jobs import REPO, RECORDER, SHARED_VARIABLE, Job, environment, output, run, shared_file
@@ -46,6 +47,7 @@ error: stopped by SIGINT (Ctrl-C), with every worker of this node; the last snap
         "error: stopped by SIGINT (Ctrl-C), with every worker of this node; the last snapshot saved is kept"]
 
 
+@pytest.mark.slow
 def test_a_shared_job_that_several_ask_for_at_once_runs_once_and_each_gets_its_result(tmp_path):
     """Two processes of one session ask for the same job together (as pytest-xdist's workers and the notebooks'
     kernels do): it runs once, and each gets its output, exit code and folder; a job with other options runs apart."""
@@ -72,6 +74,7 @@ print(job.output.strip(), job.codes, job.cwd)
     assert answers[0][2] == answers[1][2] != answers[2][2], "the same job: the same folder"
 
 
+@pytest.mark.slow
 def test_outside_a_session_a_shared_job_is_an_ordinary_one(tmp_path, monkeypatch):
     import sys
 
@@ -81,6 +84,7 @@ def test_outside_a_session_a_shared_job_is_an_ordinary_one(tmp_path, monkeypatch
     assert shared_file("a.txt", "one") != shared_file("a.txt", "two")
 
 
+@pytest.mark.slow
 def test_a_shared_job_asked_for_with_an_option_at_its_default_is_the_same_job(tmp_path, monkeypatch):
     """gpu=False is what a job gets without it (a notebook passes gpu=<has GPUs>, a test nothing): one job, run once."""
     import sys
@@ -91,3 +95,17 @@ def test_a_shared_job_asked_for_with_an_option_at_its_default_is_the_same_job(tm
     plain, on_cpu = run(command, cwd=tmp_path, shared=True), run(command, cwd=tmp_path, shared=True, gpu=False)
     assert counter.read_text() == "x" and plain.cwd == on_cpu.cwd
     assert run(command, cwd=tmp_path, shared=True, gpu=True).cwd != plain.cwd and counter.read_text() == "xx"
+
+
+def test_a_test_not_marked_slow_cannot_start_python_processes_but_may_run_quick_tools():
+    """tests/conftest.py keeps `make test-fast` fast: this test is not marked slow, so a Python process (a step, a
+    torchrun, mp.spawn's workers) fails it with the line that says to mark it; make, git and mount run."""
+    import multiprocessing
+    import subprocess
+    import sys
+
+    with pytest.raises(AssertionError, match=r"starts processes: mark it @pytest\.mark\.slow"):
+        subprocess.Popen([sys.executable, "-c", "pass"])
+    with pytest.raises(AssertionError, match=r"starts processes: mark it @pytest\.mark\.slow"):
+        multiprocessing.get_context("spawn").Process(target=print).start()
+    assert subprocess.run(["git", "--version"], capture_output=True, check=True).stdout.startswith(b"git version")

@@ -138,6 +138,7 @@ def assert_close(actual, expected, atol=5e-5):
 
 # --- 2 stages are one model -------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_stages_on_two_ranks_train_what_one_process_does(one_f_one_b, reference):
     """Every epoch's loss to 1e-5 (measured: 4e-7) and the final weights to 5e-5 (measured: 2.4e-5; Adam's division
     by the gradients' running magnitude magnifies the rounding of micro-batch sums in a few weights, as in test_gpt).
@@ -155,6 +156,7 @@ def test_two_stages_on_two_ranks_train_what_one_process_does(one_f_one_b, refere
     assert whole == pytest.approx(reference["norms"], rel=1e-4), (whole, reference["norms"])
 
 
+@pytest.mark.slow
 def test_gpipe_killed_and_resumed_ends_bit_for_bit_where_1f1b_does(one_f_one_b, gpipe):
     """GPipe and 1F1B compute the same micro-batches and sum their gradients in the same order: only when each pass
     runs differs, so their snapshots are equal bit for bit (weights, optimizer state, schedule). The GPipe job was
@@ -166,11 +168,13 @@ def test_gpipe_killed_and_resumed_ends_bit_for_bit_where_1f1b_does(one_f_one_b, 
         assert_bitwise_equal(load(gpipe.cwd / name), load(one_f_one_b.cwd / name), name)
 
 
+@pytest.mark.slow
 def test_with_two_micro_batches_too(tmp_path_factory, text, reference):
     job = pipeline(tmp_path_factory, text, "1f1b2", "--schedule", "1f1b", "--microbatches", 2)
     assert_close(weights(job), reference["weights"])
 
 
+@pytest.mark.slow
 def test_two_pipelines_of_two_stages_train_what_one_process_does_with_both_batches(tmp_path_factory, text,
                                                                                   reference):
     """dp 2 x pp 2 on 4 ranks, 4 sequences per pipeline, in one micro-batch (GPipe, M=1): each step the two
@@ -186,6 +190,7 @@ def test_two_pipelines_of_two_stages_train_what_one_process_does_with_both_batch
         [(0, "pp_snapshot.stage0.pt"), (1, "pp_snapshot.stage1.pt")], job.writes
 
 
+@pytest.mark.slow
 def test_each_stage_writes_its_own_layers_and_state(one_f_one_b, reference):
     stage0, stage1 = (load(one_f_one_b.cwd / name) for name in STAGE_FILES)
     assert {name.split(".")[0] for name in tensors(stage0["MODEL_STATE"])} == {"embed", "block0"}
@@ -196,6 +201,7 @@ def test_each_stage_writes_its_own_layers_and_state(one_f_one_b, reference):
     assert {rank for _, rank, _ in one_f_one_b.writes} == {0, 1}, "one writer per stage"
 
 
+@pytest.mark.slow
 def test_the_gpt_is_put_back_together_for_the_held_out_loss_and_a_sample(one_f_one_b):
     """Rank 0 (stage 0) prints the mean loss of all samples, the held-out loss of the whole model, and its text."""
     assert re.search(r"^\[rank 0/2 \| local 0 \| cpu\] epoch 1 \| steps 8 \| loss [\d.]+ \| [\d,]+ tokens/s$",
@@ -215,6 +221,7 @@ def recorded_steps(job, restart=0, epochs=EPOCHS):
     return {step: events for step, events in steps.items() if step < epochs * STEPS}
 
 
+@pytest.mark.slow
 def test_1f1b_alternates_a_forward_and_a_backward_and_holds_at_most_two_micro_batches(one_f_one_b):
     """Stage 0 fills the pipeline with 2 forwards (stages - 0), stage 1 with 1; then each backward frees a micro-batch
     before the next forward: stage 0 never holds more than 2 micro-batches' activations, stage 1 never more than 1."""
@@ -225,6 +232,7 @@ def test_1f1b_alternates_a_forward_and_a_backward_and_holds_at_most_two_micro_ba
         assert_data_flows_between_the_stages(events)
 
 
+@pytest.mark.slow
 def test_gpipe_runs_every_forward_first_and_holds_every_micro_batch(gpipe, one_f_one_b):
     """All 4 forwards, then all 4 backwards, on both stages: each stage holds the whole batch's activations at its
     peak, twice (stage 0) and four times (stage 1) what 1F1B holds with the same micro-batches."""

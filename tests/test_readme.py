@@ -110,3 +110,9 @@ def test_make_stops_with_one_line_on_a_python_older_than_the_pins_need(tmp_path)
     assert re.fullmatch(rf"Makefile:\d+: \*\*\* {re.escape(str(old))} is not Python 3\.11 or newer, which "
                         r"requirements\.txt needs: run make with PYTHON=python3\.11 \(or newer\)\.  Stop\.\n",
                         made.stderr), made.stderr
+
+
+@pytest.mark.parametrize("test_file", sorted(path.name for path in (REPO / "tests").glob("test_*.py")))
+def test_the_reference_says_what_every_test_file_proves(test_file):
+    tests = (REPO / "docs" / "reference.md").read_text().split("## The tests", 1)[1].split("\n## ", 1)[0]
+    assert test_file in tests, f"docs/reference.md's tests table does not name {test_file}"

@@ -12,7 +12,6 @@ import contextlib
 import io
 import re
 import shutil
-from itertools import combinations
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ import single_gpu
 import tools.demo as demo
 from expect import assert_learned, assert_loads_into_fresh_model, assert_one_writer
 from tools import plot_metrics
-from tools.jobs import free_port, output, python, run, saved_name, start, torchrun, torchrun_node
+from tools.jobs import free_port, output, run, saved_name, start, torchrun, torchrun_node
 from utils import make_workload
 from utils.gpt import TEXT_VARIABLE, help_pages
 
@@ -75,6 +74,7 @@ def torchrun_jobs(tmp_path_factory):
 
 # --- every step, as `make demo` runs it ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_single_gpu_trains_on_the_cpu_and_saves_a_checkpoint(demo_run):
     job = demo_run["jobs"]["single_gpu.py"]
     assert job.output.startswith("Training on cpu (no CUDA device found)\n"), job.output
@@ -84,6 +84,7 @@ def test_single_gpu_trains_on_the_cpu_and_saves_a_checkpoint(demo_run):
     assert_loads_into_fresh_model(job.cwd / "checkpoint.pt")
 
 
+@pytest.mark.slow
 def test_multigpu_spawns_two_gloo_processes_with_one_writer(demo_run):
     job = demo_run["jobs"]["multigpu.py"]
     assert job.output.startswith("2 processes on gloo (no CUDA)\n"), job.output
@@ -94,6 +95,7 @@ def test_multigpu_spawns_two_gloo_processes_with_one_writer(demo_run):
     assert_loads_into_fresh_model(job.cwd / "checkpoint.pt")
 
 
+@pytest.mark.slow
 def test_torchrun_step_trains_and_snapshots_with_one_writer(demo_run):
     job = demo_run["jobs"]["multigpu_torchrun.py"]
     assert_learned(job.output, EPOCHS)
@@ -102,6 +104,7 @@ def test_torchrun_step_trains_and_snapshots_with_one_writer(demo_run):
     assert_loads_into_fresh_model(demo_run["run_dir"] / "snapshot.pt", key="MODEL_STATE")
 
 
+@pytest.mark.slow
 def test_multinode_runs_as_two_nodes_on_localhost_with_one_writer(demo_run):
     job = demo_run["jobs"]["multinode.py"]
     assert_learned(job.output, EPOCHS)
@@ -113,6 +116,7 @@ def test_multinode_runs_as_two_nodes_on_localhost_with_one_writer(demo_run):
     assert_loads_into_fresh_model(demo_run["run_dir"] / "snapshot.pt", key="MODEL_STATE")
 
 
+@pytest.mark.slow
 def test_fsdp_trains_with_every_rank_writing_its_shards_and_rank_0_the_full_model(demo_run):
     job = demo_run["jobs"]["fsdp.py"]
     assert_learned(job.output, EPOCHS)
@@ -123,6 +127,7 @@ def test_fsdp_trains_with_every_rank_writing_its_shards_and_rank_0_the_full_mode
     assert_loads_into_fresh_model(demo_run["run_dir"] / "model_full.pt")
 
 
+@pytest.mark.slow
 def test_the_demo_sums_up_every_step_and_narrates_the_fault(demo_run):
     fault, summary = demo_run["fault"], demo_run["printed"].split("=== Summary")[1]
     for step in ("single_gpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py"):
@@ -135,6 +140,7 @@ def test_the_demo_sums_up_every_step_and_narrates_the_fault(demo_run):
     assert ">>> the job finished (exit 0): 8 epochs in all, one worker killed on the way" in fault.output
 
 
+@pytest.mark.slow
 def test_the_demo_trains_the_gpt_with_accumulation_and_shows_its_sample(demo_run):
     job = demo_run["jobs"]["gpt.py"]
     assert job.ok and sorted(job.losses) == list(range(demo.GPT_EPOCHS)), job.output
@@ -143,6 +149,7 @@ def test_the_demo_trains_the_gpt_with_accumulation_and_shows_its_sample(demo_run
     assert_one_writer(job.writes, demo_run["run_dir"] / "gpt_snapshot.pt")
 
 
+@pytest.mark.slow
 def test_the_demo_trains_the_gpt_on_a_dp2_x_tp2_mesh_with_every_rank_writing_its_shards(demo_run):
     job = demo_run["jobs"]["tensor_parallel.py"]
     assert job.ok and job.losses[demo.TP_EPOCHS - 1] < job.losses[0], job.output
@@ -155,6 +162,7 @@ def test_the_demo_trains_the_gpt_on_a_dp2_x_tp2_mesh_with_every_rank_writing_its
         0: {"dp": 0, "tp": 0}, 1: {"dp": 0, "tp": 1}, 2: {"dp": 1, "tp": 0}, 3: {"dp": 1, "tp": 1}}
 
 
+@pytest.mark.slow
 def test_the_demo_trains_the_gpt_in_two_pipeline_stages_each_saving_its_own(demo_run):
     job = demo_run["jobs"]["pipeline_parallel.py"]
     assert job.ok and sorted(job.losses) == [0] and output.samples(job.output), job.output
@@ -179,6 +187,7 @@ def train_in_one_process(batch_size, epochs=EPOCHS):
     return trainer.model.state_dict()
 
 
+@pytest.mark.slow
 def test_two_ranks_with_batch_b_end_with_the_weights_of_one_process_with_batch_2b(demo_run):
     """The demo's multigpu.py: 2 gloo ranks, batch 32 each, 4 epochs; its checkpoint.pt holds the final weights."""
     two_ranks = torch.load(demo_run["jobs"]["multigpu.py"].cwd / "checkpoint.pt", weights_only=True)
@@ -200,6 +209,7 @@ def by_epoch(samples):
     return epochs
 
 
+@pytest.mark.slow
 def test_two_ranks_train_on_disjoint_halves_that_cover_the_data_every_epoch(torchrun_jobs):
     epochs = by_epoch(torchrun_jobs["first"].samples + torchrun_jobs["resumed"].samples)
     assert sorted(epochs) == [0, 1, 2, 3]
@@ -210,6 +220,7 @@ def test_two_ranks_train_on_disjoint_halves_that_cover_the_data_every_epoch(torc
         assert set(shares[0]) | set(shares[1]) == set(range(DATASET_SIZE)), f"epoch {epoch}: samples left out"
 
 
+@pytest.mark.slow
 def test_set_epoch_gives_every_epoch_a_new_order_also_after_a_resume(torchrun_jobs):
     """Epochs 2 and 3 ran in a new job that resumed from the snapshot: the order depends on the epoch alone."""
     epochs = by_epoch(torchrun_jobs["first"].samples + torchrun_jobs["resumed"].samples)
@@ -218,21 +229,9 @@ def test_set_epoch_gives_every_epoch_a_new_order_also_after_a_resume(torchrun_jo
         assert len(set(orders)) == len(orders), f"rank {rank} repeated an epoch's order"
 
 
-def test_three_ranks_split_2048_samples_with_one_padded_repeat(tmp_path):
-    """2048 = 3 x 682 + 2: DistributedSampler pads the shuffled list with its first index to 2049, so each of the 3
-    ranks gets 683 samples and one sample is trained on twice an epoch (drop_last=True would drop the tail)."""
-    job = run(python("multigpu.py", 1, 1, "--world_size", 3), cwd=tmp_path, record=True)
-    [shares] = by_epoch(job.samples).values()
-    assert sorted(shares) == [0, 1, 2]
-    assert [len(indices) for indices in shares.values()] == [683] * 3
-    seen = [index for indices in shares.values() for index in indices]
-    assert set(seen) == set(range(DATASET_SIZE))
-    assert len(seen) - len(set(seen)) == 1, "only the padding repeats"
-    assert sum(len(set(a) & set(b)) for a, b in combinations(shares.values(), 2)) == 1
-
-
 # --- per-rank metrics (TUTORIAL_RUN_DIR) -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_each_rank_writes_its_own_metrics_file_one_line_per_epoch_and_a_resumed_run_appends(torchrun_jobs):
     run_dir = torchrun_jobs["workdir"] / "runs"
     assert sorted(path.name for path in run_dir.iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
@@ -248,6 +247,7 @@ def test_each_rank_writes_its_own_metrics_file_one_line_per_epoch_and_a_resumed_
             assert r["samples_per_s"] == pytest.approx(r["samples"] / r["seconds"])
 
 
+@pytest.mark.slow
 def test_the_logged_loss_is_each_ranks_own_and_they_average_to_the_printed_one(torchrun_jobs):
     printed = output.epoch_losses(torchrun_jobs["first"].output + torchrun_jobs["resumed"].output)
     runs = plot_metrics.read_run(torchrun_jobs["workdir"] / "runs")
@@ -258,6 +258,7 @@ def test_the_logged_loss_is_each_ranks_own_and_they_average_to_the_printed_one(t
         assert mean == pytest.approx(printed[epoch], abs=1e-4)  # printed with 4 decimals
 
 
+@pytest.mark.slow
 def test_the_plot_tool_draws_a_run_to_a_png(torchrun_jobs, tmp_path, monkeypatch, capsys):
     out = tmp_path / "plot.png"
     monkeypatch.setattr("sys.argv", ["plot_metrics.py", str(torchrun_jobs["workdir"] / "runs"), "-o", str(out)])
@@ -268,6 +269,7 @@ def test_the_plot_tool_draws_a_run_to_a_png(torchrun_jobs, tmp_path, monkeypatch
 
 # --- a rerun resumes; nodes that do not share the snapshot refuse -----------------------------------------------------
 
+@pytest.mark.slow
 def test_a_rerun_resumes_after_the_last_completed_epoch(torchrun_jobs):
     first, resumed = torchrun_jobs["first"], torchrun_jobs["resumed"]
     assert_one_writer(first.writes, torchrun_jobs["workdir"] / "snapshot.pt")
@@ -279,6 +281,7 @@ def test_a_rerun_resumes_after_the_last_completed_epoch(torchrun_jobs):
     assert snapshot["EPOCHS_RUN"] == 4
 
 
+@pytest.mark.slow
 def test_nodes_that_see_different_snapshots_refuse_to_train(tmp_path, torchrun_jobs):
     """Each node reads the snapshot path on its own disk. Node 0 finds a snapshot (4 epochs done), node 1 finds
     none: instead of training mismatched replicas, both stop and say the path must be on shared storage."""

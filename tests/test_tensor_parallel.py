@@ -138,6 +138,7 @@ def assert_same_weights(actual, expected):
 
 # --- equal to one process ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_dp2_x_tp2_on_4_ranks_trains_what_one_process_does_with_twice_the_batch(two_d, reference):
     losses, weights, other_batches = reference
     assert recorded_losses(two_d) == pytest.approx({e: losses[e] for e in range(EPOCHS)}, abs=LOSS_TOLERANCE)
@@ -147,6 +148,7 @@ def test_dp2_x_tp2_on_4_ranks_trains_what_one_process_does_with_twice_the_batch(
         100 * WEIGHT_TOLERANCE, "the tolerance tells training on these batches from training on others"
 
 
+@pytest.mark.slow
 def test_tp2_alone_trains_what_one_process_does_and_a_killed_worker_resumes_under_torchrun(killed, reference):
     losses, weights, _ = reference
     assert killed.resumes == {1: 1}, killed.output  # restart 1 resumed from the snapshot of epoch 0
@@ -155,6 +157,7 @@ def test_tp2_alone_trains_what_one_process_does_and_a_killed_worker_resumes_unde
     assert_same_weights(final_weights(killed), weights[EPOCHS])
 
 
+@pytest.mark.slow
 def test_a_dp2_x_tp2_snapshot_resumes_in_one_process_with_tp1_as_one_process_trains(alone, reference):
     """DCP reshards: the 4 ranks' shards load into one process's whole matrices, and training goes on exactly."""
     losses, weights, _ = reference
@@ -165,6 +168,7 @@ def test_a_dp2_x_tp2_snapshot_resumes_in_one_process_with_tp1_as_one_process_tra
 
 # --- who trains on what, who holds what -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_ranks_of_a_tp_group_train_on_the_same_batches_and_the_dp_groups_on_disjoint_halves(two_d):
     rows = two_d.samples
     assert sorted((row["rank"], row["mesh"]["dp"], row["mesh"]["tp"]) for row in rows if row["epoch"] == 0) == [
@@ -182,6 +186,7 @@ def test_the_ranks_of_a_tp_group_train_on_the_same_batches_and_the_dp_groups_on_
     assert orders[0] != orders[1], "set_epoch reshuffles"
 
 
+@pytest.mark.slow
 def test_verbose_shows_each_rank_holding_half_of_every_split_matrix_and_a_quarter_stored(two_d, text):
     """tp 2: q, k, v and the MLP's first matrix lose half their output rows, the two matrices after them half their
     input columns; FSDP then stores half of each slice's rows on each dp rank."""
@@ -202,6 +207,7 @@ def test_verbose_shows_each_rank_holding_half_of_every_split_matrix_and_a_quarte
         assert full / 4 < row["params MiB"] < full / 3, (row, full)
 
 
+@pytest.mark.slow
 def test_every_rank_writes_its_shards_and_rank_0_a_full_model_that_a_plain_gpt_loads(two_d, text):
     folder = two_d.cwd
     assert sorted(path.name for path in (folder / "snapshot").iterdir()) == [
@@ -250,6 +256,7 @@ def test_attention_split_megatron_style_by_hand_sums_to_the_whole(text):
 
 # --- precision, bad input ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bf16_on_the_cpu_tracks_fp32(tmp_path, text, reference):
     """One process, --tp 1, one epoch in bf16 (FSDP's MixedPrecisionPolicy: bf16 compute, fp32 shards)."""
     job = job_in(tmp_path / "bf16", 1, 1, "--tp", 1, "--batch_size", GLOBAL_BATCH, "--precision", "bf16", nproc=1,
@@ -257,6 +264,7 @@ def test_bf16_on_the_cpu_tracks_fp32(tmp_path, text, reference):
     assert job.losses[0] == pytest.approx(reference[0][0], abs=0.02), job.output
 
 
+@pytest.mark.slow
 def test_tp_that_does_not_divide_the_processes_stops_every_rank_with_one_line(tmp_path, text):
     """1 process, --tp 2: the worker stops with one line before any training (torchrun then reports it failed)."""
     job = job_in(tmp_path / "bad", 1, 1, "--tp", 2, nproc=1, env=exact(text), check=False)

@@ -26,6 +26,7 @@ def fingerprint(workload):
     return digest.hexdigest()
 
 
+@pytest.mark.slow
 def test_every_process_builds_the_same_data_and_initial_weights(tmp_path):
     """Ranks never exchange the dataset: each builds it from the seed, so it must be bit-identical."""
     names = ["synthetic", "wide"]
@@ -120,6 +121,7 @@ def test_missing_dataset_that_cannot_be_downloaded_stops_with_one_clear_line(tmp
     assert "download=True" in message and "TUTORIAL_DATA_DIR" in message and "URLError" in message
 
 
+@pytest.mark.slow
 def test_fakedata_trains_under_ddp_and_held_out_accuracy_counts_each_sample_once(tmp_path):
     job = run(torchrun("multigpu_torchrun.py", 1, 1, "--workload", "fakedata"), cwd=tmp_path)
     held_out = re.search(r"\[rank 0/2 [^\]]*\] held-out (\d+) samples \| loss ([\d.]+) \| accuracy ([\d.]+)",
@@ -160,6 +162,7 @@ def batchnorm_model_and_data():
     return model, TensorDataset(torch.randn(7, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0]))
 
 
+@pytest.mark.slow
 def test_held_out_metrics_on_two_ranks_are_rank_0s_model_on_every_sample_once(tmp_path):
     import torch.multiprocessing as mp
 
@@ -230,6 +233,7 @@ def test_a_text_given_as_an_option_is_named_as_the_option_and_wins_over_the_vari
     assert re.fullmatch(r"error: cannot read --text \S+missing\.txt \(No such file or directory\); .*", str(stop.value))
 
 
+@pytest.mark.slow
 def test_single_gpu_trains_the_gpt_too(tmp_path):
     """--workload gpt works in every step (fsdp.py's sharding of it: tests/test_gpt.py)."""
     from utils.gpt import TEXT_VARIABLE, help_pages
