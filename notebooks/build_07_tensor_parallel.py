@@ -23,7 +23,7 @@ a block and compute one forward pass together, adding up their partial results w
 This notebook runs it on 4 CPU processes (dp 2 × tp 2), looks at what each rank trained on and what it holds, and
 counts what DDP, FSDP, TP and 2D communicate per optimizer step."""),
     new_code_cell("""from nbhelpers import plot_mesh, plot_slices, print_job, scratch, show_diff
-from tools.jobs import PYTHON, machine_summary, output, run, script, torchrun
+from tools.jobs import PYTHON, machine_summary, output, run, script, shared_file, torchrun
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
 
 print(machine_summary())"""),
@@ -36,12 +36,12 @@ Generated from the two files in the repository:"""),
 The CPU-size GPT (4 heads, 64 wide) on a 4,600-character excerpt of the help pages (64 sequences of 64 characters),
 dropout 0, batch 4 per dp rank, 2 epochs, `--verbose`. The job runner records which samples every rank trained on,
 and its place in the mesh."""),
-    new_code_cell("""workdir = scratch("tensor_parallel")
-text = workdir / "help_excerpt.txt"
-text.write_text(help_pages()[:4600])
+    new_code_cell("""text = shared_file("help_excerpt.txt", help_pages()[:4600])  # a file named by its content
 env = {TEXT_VARIABLE: text, DROPOUT_VARIABLE: 0}
-job = run(torchrun("tensor_parallel.py", 2, 1, "--tp", 2, "--batch_size", 4, "--workload", "gpt-cpu", "--verbose",
-                   nproc=4), cwd=workdir, env=env, record=True, timeout=300)
+# shared=True: in the test suite, a run that a test makes too (tests/test_tensor_parallel.py's) is made once for
+# both; in Jupyter it simply runs.
+job = run(torchrun("tensor_parallel.py", 2, 1, "--tp", 2, "--batch_size", 4, "--verbose", "--workload", "gpt-cpu",
+                   nproc=4), cwd=scratch("tensor_parallel"), env=env, record=True, timeout=300, shared=True)
 print_job(job)"""),
     new_markdown_cell("""## The mesh, and who trained on what
 
@@ -81,7 +81,8 @@ block's weights before its forward and again before its backward, and reduce-sca
 *activations* twice per block in the forward and twice in the backward, on the critical path of every layer; 2D does
 both, each over its own group. Its tokens/s here say little: 4 processes share 2 cores (see the load average)."""),
     new_code_cell("""quick = ["--steps", 1, "--rounds", 1, "--chars", 20000]  # the counts need one step, timings more
-bench = run([PYTHON, script("benchmarks/communication.py"), *quick], cwd=workdir, timeout=300)
+bench = run([PYTHON, script("benchmarks/communication.py"), *quick], cwd=scratch("communication"), timeout=300,
+            shared=True)  # made once in the test suite, with tests/test_benchmarks.py's
 print(bench.output)"""),
     new_code_cell("""# NBVAL_CHECK_OUTPUT
 for line in bench.output.splitlines():

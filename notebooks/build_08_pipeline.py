@@ -22,8 +22,9 @@ While the pipeline fills and drains, a stage waits: in theory `(stages - 1) / (M
 stages did, pass by pass, as the job runner's recorder timed them."""),
     new_code_cell("""from nbhelpers import print_job, scratch, show_diff
 from tools import pipeline_timeline
-from tools.jobs import machine_summary, output, run, torchrun
+from tools.jobs import machine_summary, output, run, shared_file, torchrun
 from utils.gpt import help_pages
+from utils.metrics import RUN_DIR_VARIABLE
 
 print(machine_summary())"""),
     new_markdown_cell("""## The diff from step 6
@@ -34,16 +35,18 @@ stage reads the tokens, only the last has a loss."""),
     new_code_cell("""show_diff("gpt.py", "pipeline_parallel.py")"""),
     new_markdown_cell("""## Two runs: 1F1B and GPipe, 4 micro-batches each
 
-A 4,600-character excerpt of the help pages (64 sequences of 64 characters to train on), batches of 16: 4 optimizer
-steps an epoch, 2 epochs, dropout 0. Stage 0 (rank 0) holds the embedding and block 0, stage 1 (rank 1) block 1 and
-the head. The job runner records, for every micro-batch and stage, when its forward and its backward ran, and how
-many bytes of activations autograd kept for the backward."""),
-    new_code_cell("""workdir = scratch("pipeline")
-text = workdir / "help_excerpt.txt"
-text.write_text(help_pages()[:4600])
-args = ("--workload", "gpt-cpu", "--text", text, "--batch_size", 16, "--microbatches", 4)
-jobs = {schedule: run(torchrun("pipeline_parallel.py", 2, 2, *args, "--schedule", schedule), cwd=workdir / schedule,
-                      record=True, timeout=240)
+A 4,600-character excerpt of the help pages (64 sequences of 64 characters to train on), batches of 8 (4
+micro-batches of 2): 8 optimizer steps an epoch, 2 epochs, dropout 0. Stage 0 (rank 0) holds the embedding and
+block 0, stage 1 (rank 1) block 1 and the head. The job runner records, for every micro-batch and stage, when its
+forward and its backward ran, and how many bytes of activations autograd kept for the backward (and, per optimizer
+step, the gradient norm each stage's DDP all-reduced); each rank writes its per-epoch metrics to `runs/`."""),
+    new_code_cell("""text = shared_file("help_excerpt.txt", help_pages()[:4600])  # a file named by its content
+args = ("--workload", "gpt-cpu", "--text", text, "--dropout", 0, "--batch_size", 8)
+# shared=True: in the test suite, a run that a test makes too (tests/test_pipeline_parallel.py's 1F1B) is made once
+# for both; in Jupyter it simply runs.
+jobs = {schedule: run(torchrun("pipeline_parallel.py", 2, 2, *args, "--schedule", schedule, "--microbatches", 4),
+                      cwd=scratch(schedule), env={RUN_DIR_VARIABLE: "runs"}, record_steps=True, timeout=240,
+                      shared=True)
         for schedule in ("1f1b", "gpipe")}
 print_job(jobs["1f1b"])"""),
     new_markdown_cell("""## The schedules, as they ran
@@ -74,7 +77,7 @@ for schedule, recorded in steps.items():
 
 Each step's idle fraction per stage: the part of the step (from the first forward's start to the last backward's
 end) in which the stage computed nothing. The formula assumes every pass takes the same time on every stage and
-that sending costs nothing. Here a micro-batch is 4 sequences through one block of a small model: its compute is
+that sending costs nothing. Here a micro-batch is 2 sequences through one block of a small model: its compute is
 short next to what every micro-batch pays anyway (sending its activations over gloo, the schedule's Python), so the
 stages idle well beyond the formula, and a busy machine adds its own waits. `benchmarks/pipeline_bubble.py`
 measures it for M = 1 to 8 with batches of 128, where the formula holds up to M = 4."""),
@@ -98,7 +101,7 @@ differs, so they end with the same weights, bit for bit (each stage saved its ow
 import torch
 
 for name in ("pp_snapshot.stage0.pt", "pp_snapshot.stage1.pt"):
-    a, b = (torch.load(workdir / schedule / name, weights_only=True)["MODEL_STATE"] for schedule in ("1f1b", "gpipe"))
+    a, b = (torch.load(jobs[schedule].cwd / name, weights_only=True)["MODEL_STATE"] for schedule in ("1f1b", "gpipe"))
     layers = sorted({key.split(".")[0] for key in a if key != "_extra_state"})
     print(f"{name}: {layers}, equal: {all(torch.equal(a[k], b[k]) for k in a if k != '_extra_state')}")
 print("the same losses:", output.epoch_losses(jobs["1f1b"].output) == output.epoch_losses(jobs["gpipe"].output))"""),

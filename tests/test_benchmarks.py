@@ -11,7 +11,7 @@ from argparse import Namespace
 
 import pytest
 
-from tools.jobs import REPO
+from tools.jobs import PYTHON, REPO, run, script
 
 
 def benchmark(name):
@@ -288,22 +288,25 @@ def test_pipeline_bubble_reads_the_recorders_timings_of_the_spawned_stages(tmp_p
 
 
 @pytest.mark.slow
-def test_communication_counts_each_layouts_collectives_per_optimizer_step(monkeypatch, capsys):
-    """2 processes, the CPU-size GPT (2 blocks): TP all-reduces activations twice per block in the forward (after
+def test_communication_counts_each_layouts_collectives_per_optimizer_step(tmp_path):
+    """4 processes, the CPU-size GPT (2 blocks): TP all-reduces activations twice per block in the forward (after
     attention and after the MLP) and twice in the backward (at their inputs); FSDP gathers each of its 4 units
     (embedding, 2 blocks, head) before the forward and the backward and reduce-scatters them; DDP only all-reduces.
-    (On 2 processes 2D is dp 2 x tp 1, FSDP's layout: its tp group of one rank sends nothing.)"""
-    text = run_benchmark(monkeypatch, capsys, "communication.py", "--nproc", 2, "--batch_size", 2, "--steps", 1,
-                         "--rounds", 1, "--chars", 20000)
+    A job of its own, not run_benchmark: notebooks/07_tensor_parallel.ipynb runs the same one, so in a test session
+    it runs once (shared)."""
+    text = run([PYTHON, script("benchmarks/communication.py"), "--steps", 1, "--rounds", 1, "--chars", 20000],
+               cwd=tmp_path, timeout=300, shared=True).output
     rows = {row[0]: row[1:] for row in re.findall(r"^\| (\w+) \| (dp \d x tp \d) \| (.+?) \| (.+?) \| ([\d,]+) \|$",
                                                    text, re.M)}
     assert list(rows) == ["DDP", "FSDP", "TP", "2D"], text
-    assert [mesh for mesh, *_ in rows.values()] == ["dp 2 x tp 1", "dp 2 x tp 1", "dp 1 x tp 2", "dp 2 x tp 1"]
+    assert [mesh for mesh, *_ in rows.values()] == ["dp 4 x tp 1", "dp 4 x tp 1", "dp 1 x tp 4", "dp 2 x tp 2"]
     assert re.fullmatch(r"\d all-reduce over all \(bwd\)", rows["DDP"][1]), rows["DDP"]
     fsdp = "4 all-gather over dp (fwd), 4 all-gather over dp (bwd), 4 reduce-scatter over dp (bwd)"
-    assert rows["FSDP"][1] == rows["2D"][1] == fsdp, text
-    assert rows["TP"][1] == "4 all-reduce over tp (fwd), 4 all-reduce over tp (bwd)", text
-    assert re.fullmatch(r"[\d.]+ \(tp\)", rows["TP"][2]) and re.fullmatch(r"[\d.]+ \(dp\)", rows["2D"][2]), text
+    tp = "4 all-reduce over tp (fwd), 4 all-reduce over tp (bwd)"
+    assert rows["FSDP"][1] == fsdp and rows["TP"][1] == tp, text
+    assert rows["2D"][1] == ("4 all-gather over dp (fwd), 4 all-reduce over tp (fwd), 4 all-gather over dp (bwd), "
+                             "4 all-reduce over tp (bwd), 4 reduce-scatter over dp (bwd)"), text
+    assert re.fullmatch(r"[\d.]+ \(dp\) \+ [\d.]+ \(tp\)", rows["2D"][2]), rows["2D"]
 
 
 def test_overhead_times_the_trainer_and_the_bare_loop_in_this_process(monkeypatch, capsys):

@@ -24,11 +24,12 @@ WIDE = ["--workload", "wide", "--batch_size", 64, "--verbose"]  # large enough f
 @pytest.fixture(scope="module")
 def wide_runs(tmp_path_factory):
     """The wide workload trained on 2 CPU processes, three times on the same data: sharded (FSDP), replicated (DDP),
-    and sharded in bf16 with the shards offloaded to CPU memory. The snapshot goes to a folder of its own
-    (runs/snapshot), and so must the exported full model."""
-    runs = {}
-    for name, options in (("fsdp", ["--strategy", "fsdp"]), ("ddp", ["--strategy", "ddp"]),
-                          ("bf16-offload", ["--bf16", "--cpu_offload"])):
+    and sharded in bf16 with the shards offloaded to CPU memory. FSDP's snapshots go to a folder of their own
+    (runs/snapshot), and so must the exported full model. The DDP job is notebooks/05_fsdp.ipynb's too: shared, it
+    runs once in a test session (nothing reads its files)."""
+    runs = {"ddp": run(torchrun("fsdp.py", EPOCHS, 1, *WIDE, "--strategy", "ddp"), cwd=tmp_path_factory.mktemp("ddp"),
+                       timeout=180, shared=True)}
+    for name, options in (("fsdp", ["--strategy", "fsdp"]), ("bf16-offload", ["--bf16", "--cpu_offload"])):
         cwd = tmp_path_factory.mktemp(name)
         (cwd / "runs").mkdir()
         runs[name] = run(torchrun("fsdp.py", EPOCHS, 1, *WIDE, *options, "--snapshot_path", "runs/snapshot"),

@@ -19,10 +19,11 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from expect import assert_bitwise_equal, assert_one_writer
-from tools.jobs import output, run, script, start, torchrun
+from tools.jobs import output, run, script, shared_file, start, torchrun
 from utils import evaluate, make_workload
 from utils.gpt import DROPOUT_VARIABLE, help_pages
 from utils.loop import PEAK_VARIABLE, WarmupCosine, compiler_missing, peak_flops
+from utils.metrics import RUN_DIR_VARIABLE
 
 TEXT_CHARS = 4600  # 90% to train on: 4,140 characters, 64 blocks of 64 (+1) characters; 7 blocks held out
 B, K = 4, 2  # micro-batch per rank, micro-batches per optimizer step
@@ -35,10 +36,8 @@ DROPOUT = 0.1  # the CPU size has none; the runs that prove the random states ar
 
 
 @pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "help_excerpt.txt"
-    path.write_text(help_pages()[:TEXT_CHARS])
-    return path
+def text():
+    return shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])  # named by its content: shared jobs match
 
 
 def gpt_args(text, *more):
@@ -53,10 +52,11 @@ def load(path):
 @pytest.fixture(scope="module")
 def accumulated(tmp_path_factory, text):
     """2 ranks x K=2 micro-batches of 4, fp32, dropout 0, 2 epochs; every optimizer step recorded (its learning rate
-    and the gradient all-reduces DDP ran for it)."""
-    workdir = tmp_path_factory.mktemp("accumulated")
-    return run(torchrun("gpt.py", EPOCHS, EPOCHS, *gpt_args(text, *ACCUMULATED, "--dropout", 0)), cwd=workdir,
-              record_steps=True, timeout=180)
+    and the gradient all-reduces DDP ran for it), and per-rank metrics (runs/). notebooks/06_gpt.ipynb runs the same
+    job: shared, it runs once in a test session."""
+    return run(torchrun("gpt.py", EPOCHS, EPOCHS, *gpt_args(text, *ACCUMULATED, "--dropout", 0)),
+               cwd=tmp_path_factory.mktemp("accumulated"), env={RUN_DIR_VARIABLE: "runs"}, record_steps=True,
+               timeout=180, shared=True)
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,19 @@ def test_outside_a_session_a_shared_job_is_an_ordinary_one(tmp_path, monkeypatch
     assert shared_file("a.txt", "one") != shared_file("a.txt", "two")
 
 
+@pytest.mark.slow
+def test_a_shared_job_asked_for_with_an_option_at_its_default_is_the_same_job(tmp_path, monkeypatch):
+    """gpu=False is what a job gets without it (a notebook passes gpu=<has GPUs>, a test nothing): one job, run once."""
+    import sys
+
+    monkeypatch.setenv(SHARED_VARIABLE, str(tmp_path / "session"))
+    counter = tmp_path / "runs.txt"
+    command = [sys.executable, "-c", "import sys; open(sys.argv[1], 'a').write('x')", str(counter)]
+    plain, on_cpu = run(command, cwd=tmp_path, shared=True), run(command, cwd=tmp_path, shared=True, gpu=False)
+    assert counter.read_text() == "x" and plain.cwd == on_cpu.cwd
+    assert run(command, cwd=tmp_path, shared=True, gpu=True).cwd != plain.cwd and counter.read_text() == "xx"
+
+
 def test_a_test_not_marked_slow_cannot_start_python_processes_but_may_run_quick_tools():
     """tests/conftest.py keeps `make test-fast` fast: this test is not marked slow, so a Python process (a step, a
     torchrun, mp.spawn's workers) fails it with the line that says to mark it; make, git and mount run."""

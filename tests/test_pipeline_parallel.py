@@ -23,7 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from expect import assert_bitwise_equal
 from tools import pipeline_timeline
-from tools.jobs import output, run, saved_name, script, start, torchrun
+from tools.jobs import output, run, saved_name, script, shared_file, start, torchrun
 from utils import make_workload
 from utils.gpt import help_pages
 from utils.loop import WarmupCosine
@@ -35,10 +35,8 @@ STAGE_FILES = ("pp_snapshot.stage0.pt", "pp_snapshot.stage1.pt")
 
 
 @pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "help_excerpt.txt"
-    path.write_text(help_pages()[:TEXT_CHARS])
-    return path
+def text():
+    return shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])  # named by its content: shared jobs match
 
 
 def gpt_args(text, *more):
@@ -47,17 +45,20 @@ def gpt_args(text, *more):
 
 
 def pipeline(tmp_path_factory, text, name, *args, nproc=2, **options):
-    """A finished job of pipeline_parallel.py (2 epochs, a snapshot at the end), in a folder of its own."""
+    """A finished job of pipeline_parallel.py (2 epochs, a snapshot at the end), in a folder of its own; per-rank
+    metrics in its runs/."""
     workdir = tmp_path_factory.mktemp(name)
     job = run(torchrun("pipeline_parallel.py", EPOCHS, EPOCHS, *gpt_args(text, *args), nproc=nproc), cwd=workdir,
-              env={RUN_DIR_VARIABLE: workdir / "runs"}, timeout=240, **options)
+              env={RUN_DIR_VARIABLE: "runs"}, timeout=240, **options)
     return job
 
 
 @pytest.fixture(scope="module")
 def one_f_one_b(tmp_path_factory, text):
-    """1F1B with M=4, every optimizer step recorded: the gradient norm each stage's DDP all-reduced for it."""
-    return pipeline(tmp_path_factory, text, "1f1b", "--schedule", "1f1b", "--microbatches", 4, record_steps=True)
+    """1F1B with M=4, every optimizer step recorded: the gradient norm each stage's DDP all-reduced for it.
+    notebooks/08_pipeline.ipynb runs the same job: shared, it runs once in a test session."""
+    return pipeline(tmp_path_factory, text, "1f1b", "--schedule", "1f1b", "--microbatches", 4, record_steps=True,
+                    shared=True)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ that 1 process takes with batch 2b over the same samples.
 
 The runs are started once for this module (each a few seconds of CPU, most of it `import torch`)."""
 import contextlib
-import functools
 import io
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,10 +31,21 @@ EPOCHS, SAVE_EVERY = 4, 2
 DATASET_SIZE = 2048  # the synthetic workload's training set
 
 
+SHARED_STEPS = ("single_gpu.py", "multigpu.py")  # notebooks 01 and 02 run the demo's steps 1 and 2 as it does
+
+
+def demo_job(*commands, **options):
+    """The demo's run(), every job recorded. Steps 1 and 2 are shared (notebooks 01 and 02 ask for the same
+    commands and options): in a test session each runs once, in a folder of the session's (job.cwd) instead of the
+    demo's."""
+    shared = Path(commands[0][1]).name in SHARED_STEPS
+    return run(*commands, record=True, shared=shared, **options)
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     """`make demo` with 4 epochs per step, every job recorded: {script: job}, the fault demo's job, the printout, and
-    the folder the steps ran in."""
+    the folder the steps ran in (steps 1 and 2: their job.cwd, see demo_job)."""
     printed, run_dir = io.StringIO(), tmp_path_factory.mktemp("demo")
     gpt_text = tmp_path_factory.mktemp("gpt_text") / "help_excerpt.txt"
     gpt_text.write_text(help_pages()[:8000])
@@ -42,7 +53,7 @@ def demo_run(tmp_path_factory):
         patch.setattr(demo, "RUN_DIR", run_dir)
         patch.setattr(demo, "EPOCHS", EPOCHS)
         patch.setattr(demo, "SAVE_EVERY", SAVE_EVERY)
-        patch.setattr(demo, "run", functools.partial(run, record=True))
+        patch.setattr(demo, "run", demo_job)
         patch.setattr("sys.argv", ["demo.py", "--timeout", "120"])
         patch.setenv(TEXT_VARIABLE, str(gpt_text))  # the GPT step on a short excerpt: 2 optimizer steps an epoch
         jobs, fault = demo.main()
@@ -69,8 +80,8 @@ def test_single_gpu_trains_on_the_cpu_and_saves_a_checkpoint(demo_run):
     assert job.output.startswith("Training on cpu (no CUDA device found)\n"), job.output
     assert_learned(job.output, EPOCHS)
     assert output.held_out(job.output)["samples"] == 512
-    assert_one_writer(job.writes, demo_run["run_dir"] / "checkpoint.pt")
-    assert_loads_into_fresh_model(demo_run["run_dir"] / "checkpoint.pt")
+    assert_one_writer(job.writes, job.cwd / "checkpoint.pt")
+    assert_loads_into_fresh_model(job.cwd / "checkpoint.pt")
 
 
 @pytest.mark.slow
@@ -80,8 +91,8 @@ def test_multigpu_spawns_two_gloo_processes_with_one_writer(demo_run):
     assert {match["rank"] for match in output.EPOCH.finditer(job.output)} == {"0"}, "only rank 0 reports"
     assert_learned(job.output, EPOCHS)
     assert sorted({row["rank"] for row in job.samples}) == [0, 1], "two ranks trained"
-    assert_one_writer(job.writes, demo_run["run_dir"] / "checkpoint.pt")
-    assert_loads_into_fresh_model(demo_run["run_dir"] / "checkpoint.pt")
+    assert_one_writer(job.writes, job.cwd / "checkpoint.pt")
+    assert_loads_into_fresh_model(job.cwd / "checkpoint.pt")
 
 
 @pytest.mark.slow
@@ -179,7 +190,7 @@ def train_in_one_process(batch_size, epochs=EPOCHS):
 @pytest.mark.slow
 def test_two_ranks_with_batch_b_end_with_the_weights_of_one_process_with_batch_2b(demo_run):
     """The demo's multigpu.py: 2 gloo ranks, batch 32 each, 4 epochs; its checkpoint.pt holds the final weights."""
-    two_ranks = torch.load(demo_run["run_dir"] / "checkpoint.pt", weights_only=True)
+    two_ranks = torch.load(demo_run["jobs"]["multigpu.py"].cwd / "checkpoint.pt", weights_only=True)
     reference = train_in_one_process(2 * 32)
     assert two_ranks.keys() == reference.keys()
     for name, tensor in reference.items():

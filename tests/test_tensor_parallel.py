@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from tools.jobs import output, run, script, torchrun
+from tools.jobs import output, run, script, shared_file, torchrun
 from utils import evaluate, make_workload, require_tp_fits
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, CausalSelfAttention, help_pages
 
@@ -31,10 +31,8 @@ LOSS_TOLERANCE, WEIGHT_TOLERANCE = 5e-5, 3e-4
 
 
 @pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "help_excerpt.txt"
-    path.write_text(help_pages()[:TEXT_CHARS])
-    return path
+def text():
+    return shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])  # named by its content: shared jobs match
 
 
 def exact(text):
@@ -87,9 +85,10 @@ def job_in(folder, *args, nproc, **options):
 
 @pytest.fixture(scope="module")
 def two_d(tmp_path_factory, text):
-    """dp 2 x tp 2 on 4 ranks, batch 4 per dp rank, 2 epochs, a snapshot after each; --verbose, recorded."""
+    """dp 2 x tp 2 on 4 ranks, batch 4 per dp rank, 2 epochs, a snapshot after each; --verbose, recorded.
+    notebooks/07_tensor_parallel.ipynb runs the same job: shared, it runs once in a test session."""
     return job_in(tmp_path_factory.mktemp("two_d"), EPOCHS, 1, "--tp", 2, "--batch_size", GLOBAL_BATCH // 2,
-                  "--verbose", nproc=4, env=exact(text), record=True)
+                  "--verbose", nproc=4, env=exact(text), record=True, shared=True)
 
 
 @pytest.fixture(scope="module")

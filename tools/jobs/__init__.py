@@ -26,6 +26,7 @@ files under a name that only their content decides. Outside a test session, run(
 """
 import fcntl
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -424,8 +425,12 @@ def shared_file(name, content):
 
 def _shared_run(commands, timeout, options):
     """run()'s job, run once in the session's shared folder by whichever caller asks first (see the module's
-    docstring): the same commands and options (but for where it runs) name the same job."""
+    docstring): the same commands and options (but for where it runs) name the same job; an option given its default
+    value (gpu=False, say) names the same job as one left out."""
     options.pop("cwd", None), options.pop("logs", None)
+    defaults = inspect.signature(Job.__init__).parameters
+    options = {name: value for name, value in options.items()
+               if name not in defaults or defaults[name].default != value}
     key = json.dumps(dict(commands=[[str(part) for part in command] for command in commands],
                           options={name: repr(value) for name, value in sorted(options.items())}), sort_keys=True)
     folder = Path(os.environ[SHARED_VARIABLE]) / "jobs" / hashlib.sha256(key.encode()).hexdigest()[:16]
