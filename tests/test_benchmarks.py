@@ -339,3 +339,20 @@ def test_scaling_trains_the_steps_trainers_in_a_spawned_worker(tmp_path, monkeyp
                          "--workload", "synthetic", "--plot", plot)
     assert re.search(r"^\| 1 \| [\d,]+ \| 1.00x \| 1.00 \| [\d,]+ \| 1.00x \| 1.00 \| [\d.]+x \|$", text, re.M), text
     assert is_png(plot)
+
+
+@pytest.mark.slow
+def test_dataparallel_against_ddp_measures_both_for_real_on_a_cpu(monkeypatch, capsys):
+    """The measuring glue against the current steps and torch: one process, then DDP's spawned pair."""
+    text = run_benchmark(monkeypatch, capsys, "dataparallel_vs_ddp.py", "--workload", "synthetic", "--steps", 3,
+                         "--warmup", 1, "--batch_size", 64)
+    assert "No CUDA device: DataParallel does nothing here" in text, text
+    assert re.search(r"DDP, 2 processes +[\d,]+ samples/s", text) and re.search(r"DDP / one process: [\d.]+x", text)
+
+
+@pytest.mark.slow
+def test_gpt_precision_reads_a_real_run_of_gpt_py(monkeypatch, capsys):
+    """One real torchrun job of gpt.py (fp32, 2 epochs on a short text): its epoch lines become the row."""
+    text = run_benchmark(monkeypatch, capsys, "gpt_precision.py", "--variants", "fp32", "--epochs", 2,
+                         "--chars", 6000, "--batch_size", 8)
+    assert re.search(r"^\| fp32 \| \d+ \| [\d,]+ \| [\d,]+ \| 1\.00x \| n/a \|$", text, re.M), text

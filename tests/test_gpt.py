@@ -21,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 from expect import assert_bitwise_equal, assert_one_writer
 from tools.jobs import output, run, script, shared_file, start, torchrun
 from utils import evaluate, make_workload
-from utils.gpt import DROPOUT_VARIABLE, help_pages
+from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
 from utils.loop import PEAK_VARIABLE, WarmupCosine, compiler_missing, peak_flops
 from utils.metrics import RUN_DIR_VARIABLE
 
@@ -425,6 +425,38 @@ def test_a_snapshot_without_the_loops_state_stops_with_one_line(tmp_path):
     message = snapshot_problem(tmp_path, dict(MODEL_STATE=workload.model.state_dict(),
                                               OPTIMIZER_STATE=workload.optimizer.state_dict(), EPOCHS_RUN=1))
     assert message.startswith("error: cannot resume from") and "KeyError: 'SCHEDULER_STATE'" in message, message
+
+
+# --- FSDP ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_fsdp_shards_the_gpt_block_by_block_and_trains_it(text, tmp_path):
+    """fsdp.py's units are the GPT's children (embedding, each block, head) and the root; 2 epochs of 8 steps. fsdp.py
+    has no schedule: at the GPT's constant peak rate, 16 steps of 8 sequences are too few for each epoch's training
+    loss to fall steadily, but the held-out loss shows what it learned."""
+    job = run(torchrun("fsdp.py", 2, 2, "--workload", "gpt-cpu", "--batch_size", B), cwd=tmp_path,
+              env={TEXT_VARIABLE: text}, timeout=180)
+    assert sorted(job.losses) == [0, 1], job.output
+    assert output.held_out(job.output)["loss"] < 0.8 * untrained_held_out_loss(text), job.output
+
+
+# --- the MFU's peak -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
+    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100 80GB PCIe", 312), ("NVIDIA L4", 121), ("NVIDIA L40", 181),
+    ("NVIDIA L40S", 362), ("NVIDIA A10", 125), ("NVIDIA A10G", None), ("NVIDIA GeForce RTX 4090", 165),
+    ("NVIDIA GeForce RTX 3090", 71), ("NVIDIA B200", None), ("Tesla T4", None),
+])
+def test_the_peak_of_a_gpu_is_its_own_datasheets_and_an_unknown_one_has_none(monkeypatch, name, tflops):
+    """Names as torch.cuda.get_device_name() gives them. Each card gets its own figure, never one whose name is part of
+    its own (the L40 is not an L4, the H100 NVL not the SXM H100, the A10G not the A10); a card the table does not
+    hold has no peak, so no MFU is printed for it (TUTORIAL_PEAK_TFLOPS then gives one)."""
+    monkeypatch.delenv(PEAK_VARIABLE, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops("cuda:0") == (None if tflops is None else tflops * 1e12)
+    monkeypatch.setenv(PEAK_VARIABLE, "50")
+    assert peak_flops("cuda:0") == 50e12
 
 
 # --- GPUs ------------------------------------------------------------------------------------------------------------
