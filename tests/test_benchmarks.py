@@ -223,6 +223,26 @@ def test_gpt_precision_without_fp32_compares_with_the_first_variant_and_shows_th
                                 "| bf16+compile | 90 | 500 | 3,000 | 1.50x | 61.0% |"]
 
 
+def test_process_cost_reports_each_command_and_what_a_rank_and_the_launcher_add(capsys):
+    process_cost = benchmark("process_cost")
+    process_cost.report({"import_torch": [2.0, 2.2, 1.9], "import_dynamo": [3.5, 3.4, 3.6],
+                         "torchrun_1": [5.0, 5.2, 4.8], "torchrun_2": [8.9, 8.4, 8.5]})
+    text = capsys.readouterr().out
+    assert table_rows(text)[0] == "| import_torch | a process that imports torch and ends | 2.00 | 3 (1.90 - 2.20) |"
+    # medians: dynamo 3.5 - 2.0; a rank 8.5 - 5.0; the launcher 5.0 - 3.5
+    assert "importing torch._dynamo after torch: 1.50 s" in text
+    assert "one more DDP rank (torchrun_2 - torchrun_1): 3.50 s" in text
+    assert "the torchrun launcher (torchrun_1 - that rank): 1.50 s" in text
+
+
+@pytest.mark.slow  # python processes, but no torch: a fraction of a second
+def test_process_cost_counts_the_cpu_of_a_command_and_of_the_processes_it_waits_for():
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    parent = f"import subprocess, sys\n{burn}\nsubprocess.run([sys.executable, '-c', {burn!r}], check=True)"
+    seconds = benchmark("process_cost").cpu_seconds([PYTHON, "-c", parent])
+    assert 0.6 <= seconds < 1.5, seconds  # 0.3 s in the command, 0.3 s in its child, and two interpreter starts
+
+
 @pytest.mark.parametrize("seconds, held_out, known, met", [
     (80.4, 1.5, 0.5, dict.fromkeys(["time", "held-out loss", "words"], True)),
     (95.0, 2.0, None, dict.fromkeys(["time", "held-out loss", "words"], False)),
@@ -356,3 +376,13 @@ def test_gpt_precision_reads_a_real_run_of_gpt_py(monkeypatch, capsys):
     text = run_benchmark(monkeypatch, capsys, "gpt_precision.py", "--variants", "fp32", "--epochs", 2,
                          "--chars", 6000, "--batch_size", 8)
     assert re.search(r"^\| fp32 \| \d+ \| [\d,]+ \| [\d,]+ \| 1\.00x \| n/a \|$", text, re.M), text
+
+
+@pytest.mark.slow
+def test_process_cost_measures_the_imports_for_real(monkeypatch, capsys):
+    text = run_benchmark(monkeypatch, capsys, "process_cost.py", "--repeats", 1, "--only", "import_torch",
+                         "import_dynamo")
+    rows = {row.split(" | ")[0][2:]: float(row.split(" | ")[2]) for row in table_rows(text)}
+    assert rows.keys() == {"import_torch", "import_dynamo"}, text
+    assert 0.3 < rows["import_torch"] < rows["import_dynamo"], text  # torch._dynamo comes on top of torch
+    assert re.search(r"^importing torch\._dynamo after torch: [\d.]+ s$", text, re.M), text
