@@ -2,7 +2,9 @@
 its goal, the plot), and a few benchmarks run end to end with tiny settings, to show that what they measure is what
 their reports read: torchrun jobs through tools/jobs with a worker killed (recovery.py and restarts.py, each its own
 way), and workers started by spawned_result (pipeline_bubble.py: the recorder's timings of the stages' passes;
-communication.py: CommDebugMode's counts). The figures themselves are the benchmarks' business, not the tests'."""
+communication.py: CommDebugMode's counts), and process_cost.py on the two imports (the CPU time of finished
+processes, also proven on a command whose child burns a known amount). The figures themselves are the benchmarks'
+business, not the tests'."""
 import importlib.util
 import os
 import re
