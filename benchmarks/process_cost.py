@@ -23,7 +23,8 @@ from utils import positive_int  # noqa: E402
 COMMANDS = {  # name: (what it is, the command)
     "import_torch": ("a process that imports torch and ends", [PYTHON, "-c", "import torch"]),
     # DDP's constructor imports torch._dynamo (to ask whether compiled DDP is on), even when nothing is compiled.
-    "import_dynamo": ("... and imports torch._dynamo, as DDP's constructor does", [PYTHON, "-c", "import torch._dynamo"]),
+    "import_dynamo": ("one that imports torch._dynamo too, as DDP's constructor does",
+                      [PYTHON, "-c", "import torch._dynamo"]),
     "single_gpu": ("step 1: one process, one epoch", python("single_gpu.py", 1, 1)),
     "torchrun_1": ("step 3: torchrun and 1 DDP rank, one epoch", torchrun("multigpu_torchrun.py", 1, 1, nproc=1)),
     "torchrun_2": ("step 3: torchrun and 2 DDP ranks, one epoch", torchrun("multigpu_torchrun.py", 1, 1, nproc=2)),
