@@ -22,7 +22,7 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_same_arguments, require_same_start
-from utils import exists_on_any_rank, log_memory
+from utils import exists_on_any_rank, log_memory, require_written_by
 
 
 def ddp_setup(timeout_s):
@@ -46,9 +46,8 @@ class Trainer:
         # Each block, then the root: one block's full weights exist at a time; each parameter becomes a 1/N shard.
         for module in [*model.children(), model] if fsdp else []:
             fully_shard(module, **fsdp)
-        optimizer = make_optimizer(model)  # after fully_shard: it steps the shards
+        self.optimizer = make_optimizer(model)  # after fully_shard: it steps the shards
         self.train_data = train_data
-        self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.save_every = save_every
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
@@ -62,6 +61,7 @@ class Trainer:
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
+            require_written_by("fsdp.py", self.snapshot_path)
             # Each rank reads only its own shards, into the (sharded) state it already has.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state, EPOCHS_RUN=0)
@@ -97,7 +97,7 @@ class Trainer:
     def _save_snapshot(self, epoch):
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
         snapshot = dict(zip(["MODEL_STATE", "OPTIMIZER_STATE"], get_state_dict(self.model, self.optimizer)),
-                        EPOCHS_RUN=epoch + 1)
+                        EPOCHS_RUN=epoch + 1, STEP="fsdp.py")
         # Every rank writes its shards into one folder of the job's; rank 0 then swaps it in for the last snapshot.
         tmp = f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp"
         with replacing(self.snapshot_path, tmp, rename=self.global_rank == 0):
@@ -133,10 +133,12 @@ def main(args):
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
-    # bf16 compute and reduce-scatter, fp32 outputs for the loss; offloaded shards in CPU memory (pinned for GPUs).
-    fsdp = dict(mp_policy=MixedPrecisionPolicy(torch.bfloat16 if args.bf16 else None, output_dtype=torch.float32),
-                offload_policy=CPUOffloadPolicy(device.type == "cuda") if args.cpu_offload else OffloadPolicy())
     workload = load_train_objs(args)
+    # bf16 compute; the gradients reduce-scattered in fp32 (a bf16 sum of many ranks' gradients loses their low bits);
+    # fp32 outputs for the loss; offloaded shards in CPU memory (pinned for GPUs).
+    bf16 = torch.bfloat16 if args.bf16 else None
+    fsdp = dict(mp_policy=MixedPrecisionPolicy(bf16, reduce_dtype=torch.float32, output_dtype=torch.float32),
+                offload_policy=CPUOffloadPolicy(device.type == "cuda") if args.cpu_offload else OffloadPolicy())
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.make_optimizer, workload.loss_fn, device,
                       args.save_every, args.snapshot_path, fsdp if args.strategy == "fsdp" else None, args.verbose)

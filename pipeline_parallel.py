@@ -1,7 +1,7 @@
 """Step 8 - pipeline parallelism: the GPT cut into stages, one per rank, each batch fed through in micro-batches.
 
     torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job1 --rdzv_backend=c10d --rdzv_endpoint=HEAD:29500 \
-        pipeline_parallel.py 50 10 --dp 2            # the same command on every node; HEAD: the first node
+        pipeline_parallel.py 50 10 --pp 2            # the same command on every node; HEAD: the first node
 """
 import argparse
 import os
@@ -10,6 +10,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -20,8 +22,13 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_same_arguments, require_same_start
-from utils.pipeline import pipeline_stage, reassembled, require_pipeline_fits, stage_io
+from utils import exists_on_any_rank, mesh_with_timeout, require_written_by
+from utils.pipeline import reassembled, require_a_batch, require_pipeline_fits, stage_io
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu, rng_state, set_rng_state
+
+# The optimizer's state saved weight by weight, under the weights' names, its settings too (block3.mlp.fc.weight's
+# lr): the stages' optimizers hold different weights, whose lists would collide in the one snapshot of the model.
+BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def ddp_setup(timeout_s):
@@ -53,7 +60,8 @@ class Trainer:
         torch.manual_seed(1 + self.global_rank)  # the weights are built: each rank its own dropout masks
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path = snapshot_path
-        self.epochs_run = self._load_snapshot() if os.path.exists(snapshot_path) else 0  # epochs already done
+        # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
+        self.epochs_run = self._load_snapshot() if exists_on_any_rank(snapshot_path, device) else 0
         require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
         # DDP averages the gradients over this stage's copies in the other pipelines (dp), in the last micro-batch.
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -66,13 +74,19 @@ class Trainer:
         # The schedule orders the passes. Each micro-batch's loss is divided by M: their gradients add up to the mean's.
         Schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
         self.pipeline = Schedule(self.stage, M, loss_fn=lambda logits, targets: loss_fn(logits, targets) / M)
-        self.pipeline.scale_grads = False  # torch >= 2.7 would divide by M again; 2.6 never does
+        # So that no torch version divides the gradients by M once more (2.7 and later would; 2.6 never does).
+        self.pipeline.scale_grads = False
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
-            snapshot = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)  # no pickled code
-            self.model.load_state_dict(snapshot["MODEL_STATE"])
-            self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
+            require_written_by("pipeline_parallel.py", self.snapshot_path)
+            # Each rank reads its own stage's weights and optimizer state, by their names: from a snapshot of any cut.
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=BY_NAME)
+            snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state,
+                            SCHEDULER_STATE=self.scheduler.state_dict(), RNG_STATES=(), EPOCHS_RUN=0)
+            dcp.load(snapshot, checkpoint_id=self.snapshot_path)  # fills the tensors above in place
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                           options=BY_NAME)
             self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])
             set_rng_state(snapshot["RNG_STATES"], self.global_rank)  # this rank's dropout, where it left off
             epochs_run = snapshot["EPOCHS_RUN"]
@@ -84,7 +98,7 @@ class Trainer:
         # The schedule replaces forward and backward. It cuts the batch into M micro-batches and runs their forwards
         # and backwards in its order, each stage waiting for the activations of the one before and the gradients of
         # the one after: (stages - 1) / (M + stages - 1) of the step, the bubble, every stage idles. Only the first
-        # stage reads the tokens; only the last has the targets, the losses, and returns [summed loss, samples].
+        # stage reads the tokens; only the last has the targets, and the micro-batches' losses.
         inputs, losses = [source] if self.stage.is_first else [], []
         with torch.autocast(self.device.type, self.dtype, enabled=self.dtype is not None):  # weights stay fp32
             self.pipeline.step(*inputs, target=targets if self.stage.is_last else None, losses=losses)
@@ -95,7 +109,8 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return len(source) * torch.stack([sum(losses), torch.ones_like(losses[0])]).detach() if losses else 0
+        # The batch's mean loss, each micro-batch's having been divided by M; None on the stages without the losses.
+        return sum(losses).detach() if losses else None
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
@@ -103,7 +118,11 @@ class Trainer:
         totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
-            totals += self._run_batch(source, targets)
+            loss = self._run_batch(source, targets)
+            # The last stage of each pipeline counts its samples: once per pipeline, over the ranks.
+            if loss is not None:
+                totals[0] += loss * len(source)
+                totals[1] += len(source)
         log_rank_metrics(epoch, self.steps_per_epoch, totals, start)
         dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
         mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
@@ -116,13 +135,17 @@ class Trainer:
 
     def _save_snapshot(self, epoch, rng_states):
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
-        snapshot = dict(MODEL_STATE=self.model.module.state_dict(), OPTIMIZER_STATE=self.optimizer.state_dict(),
-                        SCHEDULER_STATE=self.scheduler.state_dict(),
-                        RNG_STATES=rng_states, EPOCHS_RUN=epoch + 1)
-        # Written to a file of its own, then renamed over the last one: a crash never leaves half a file.
-        with replacing(self.snapshot_path) as tmp:
-            torch.save(snapshot, tmp)
-        print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
+        # Each rank saves its stage's part under the whole model's names: a snapshot of the model, not of the cut.
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=BY_NAME)
+        snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state,
+                        SCHEDULER_STATE=self.scheduler.state_dict(), RNG_STATES=tuple(rng_states),
+                        EPOCHS_RUN=epoch + 1, STEP="pipeline_parallel.py")
+        # Every rank writes its part into one folder of the job's; rank 0 then swaps it in for the last snapshot.
+        tmp = f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp"
+        with replacing(self.snapshot_path, tmp, rename=self.global_rank == 0):
+            dcp.save(snapshot, checkpoint_id=tmp)
+        if self.global_rank == 0:
+            print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
         require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
@@ -131,13 +154,24 @@ class Trainer:
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 rng_states = [None] * dist.get_world_size()
                 dist.all_gather_object(rng_states, rng_state())  # every rank's dropout generators
-                if self.global_rank < self.stage.num_stages:  # one writer per stage: the first pipeline's
-                    self._save_snapshot(epoch, rng_states)
+                self._save_snapshot(epoch, rng_states)  # sharded: every rank writes its part
                 dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
 
 
 def load_train_objs(args):
     return make_workload(args.workload, text=args.text, dropout=args.dropout)  # data, model, optimizer and loss
+
+
+def cut(model, stage, stages):
+    # Pipeline parallelism cuts the GPT in depth: stage `stage` of `stages` keeps a run of consecutive blocks (runs
+    # that differ by one block at most), the first stage the embedding too and the last the head; the other layers
+    # are deleted. The layers keep the whole model's names (block3 stays block3), which the snapshots are keyed by.
+    blocks = [name for name, _ in model.named_children() if name.startswith("block")]
+    keep = blocks[stage * len(blocks) // stages:(stage + 1) * len(blocks) // stages]
+    keep += ["embed"] * (stage == 0) + ["head"] * (stage == stages - 1)
+    for name in [name for name, _ in model.named_children() if name not in keep]:
+        delattr(model, name)
+    return model
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int, dp):
@@ -147,22 +181,27 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, dp):
 
 
 def main(args):
-    check_options(args)  # a --grad_clip not above 0...: one line, before anything
-    stages = require_pipeline_fits(args, int(os.environ["WORLD_SIZE"]))  # processes / --dp, if the GPT allows
+    check_options(args)  # an option that cannot run here: one line, before anything
+    # Pipelines of --pp stages, if the GPT's blocks and the batch allow them: else one line, before anything starts.
+    require_pipeline_fits(args, int(os.environ["WORLD_SIZE"]))
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
     workload = load_train_objs(args)
-    # The ranks as a grid, rank = dp index * stages + stage: a pipeline along "pp", a stage's copies along "dp".
-    mesh = init_device_mesh(device.type, (args.dp, stages), mesh_dim_names=("dp", "pp"))
-    stage = pipeline_stage(workload.model, mesh["pp"].get_local_rank(), stages)  # the GPT less the other stages
-    root, extension = os.path.splitext(args.snapshot_path)  # a snapshot file per stage: NAME.stageK.pt
+    # The ranks as a grid of pp x dp, rank = stage * dp + d: the copies of a stage are consecutive ranks, on one node,
+    # and a pipeline crosses the nodes, where only one activation per micro-batch travels between neighbours.
+    mesh = init_device_mesh(device.type, (args.pp, dist.get_world_size() // args.pp), mesh_dim_names=("pp", "dp"))
+    mesh_with_timeout(mesh, args.timeout)  # the groups it made give up after --timeout too
+    stage = cut(workload.model, mesh["pp"].get_local_rank(), args.pp)
     train_data = prepare_dataloader(workload.train_set, args.batch_size, mesh["dp"])
+    # A --batch_size larger than a pipeline's share of the data would leave it nothing to train on: one line.
+    require_a_batch(train_data)
     trainer = Trainer(stage, train_data, workload.make_optimizer(stage), workload.loss_fn, device, args.save_every,
-                      f"{root}.stage{mesh['pp'].get_local_rank()}{extension}", args, mesh)
+                      args.snapshot_path, args, mesh)
     trainer.train(args.total_epochs)
-    trainer.model = reassembled(trainer.model)  # every stage's weights gathered: the whole GPT, on every rank
+    # Every stage's weights gathered on every rank, the whole GPT again: for the held-out loss and a sample.
+    trainer.model = reassembled(trainer.model)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
     if trainer.global_rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
@@ -179,10 +218,10 @@ if __name__ == "__main__":
     parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per pipeline")
     parser.add_argument("--workload", default="gpt", choices=[w for w in WORKLOADS if w.startswith("gpt")])
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
-    parser.add_argument("--snapshot_path", default="pp_snapshot.pt", type=writable_path, help="NAME.stageK.pt each")
+    parser.add_argument("--snapshot_path", default="pp_snapshot", type=writable_path, help="Sharded snapshot folder")
+    parser.add_argument("--pp", default=2, type=positive_int, help="Stages per pipeline; dp: the processes / pp")
     parser.add_argument("--microbatches", default=4, type=positive_int, help="Micro-batches per batch (M)")
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="The order of their passes")
-    parser.add_argument("--dp", default=1, type=positive_int, help="Pipelines side by side, data-parallel")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast")
     parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step (inf: no clip)")
     add_gpt_arguments(parser)  # --text, --dropout, --peak_tflops

@@ -2,7 +2,7 @@
 same ranks and the same global batch; and the tokens/s each reaches here, in the same run.
 
     python benchmarks/communication.py                    # 4 CPU processes (gloo), the CPU-size GPT
-    python benchmarks/communication.py --size gpu --nproc 6 --steps 2   # nanoGPT's 10.8M weights, 6 heads (slow)
+    python benchmarks/communication.py --size gpu --steps 2   # the GPU size: nanoGPT's 10.8M weights (slow)
 
 The N processes (one CPU thread each) train the GPT the way the steps wrap it: DDP(model) (steps 2-4, 6); fully_shard
 on each block and the root (step 5, fsdp.py); tensor_parallel.py's PLAN on each block over a tp group of all N ranks,

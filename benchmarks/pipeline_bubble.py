@@ -57,16 +57,15 @@ def worker(rank, args, text_path, result_path):
 
     import pipeline_parallel
     from utils import make_workload
-    from utils.pipeline import pipeline_stage
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=STAGES, timeout=timedelta(seconds=args.timeout))
-    mesh = init_device_mesh("cpu", (1, STAGES), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh("cpu", (STAGES, 1), mesh_dim_names=("pp", "dp"))
     trainers = {}
     for schedule, M in configurations(args.microbatches):
         workload = make_workload("gpt-cpu", text=text_path)
-        stage = pipeline_stage(workload.model, rank, STAGES)
+        stage = pipeline_parallel.cut(workload.model, rank, STAGES)
         loader = DataLoader(workload.train_set, batch_size=args.batch_size, drop_last=True,
                             sampler=DistributedSampler(workload.train_set, num_replicas=1, rank=0))
         options = Namespace(total_epochs=1000, microbatches=M, schedule=schedule, batch_size=args.batch_size,
@@ -74,7 +73,7 @@ def worker(rank, args, text_path, result_path):
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             trainers[schedule, M] = pipeline_parallel.Trainer(
                 stage, loader, workload.make_optimizer(stage), workload.loss_fn, torch.device("cpu"), 1000,
-                str(Path(result_path).parent / f"none.{schedule}{M}.pt"), options, mesh)
+                str(Path(result_path).parent / f"none.{schedule}{M}"), options, mesh)
     steps, taken = {key: [] for key in trainers}, 0  # the recorder's step numbers of each configuration
     for round_ in range(args.rounds + 1):
         for key in list(trainers) if round_ % 2 else list(trainers)[::-1]:

@@ -1,7 +1,10 @@
-"""What a correct run of a step shows: assertions that several test files make about a finished job."""
+"""What a correct run of a step shows: assertions that several test files make about a finished job, and the sharded
+snapshots of steps 5, 7 and 8 read back whole."""
+import tempfile
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tools.jobs import output, saved_name
 from utils import make_workload
@@ -45,3 +48,11 @@ def assert_bitwise_equal(actual, expected, where="snapshot"):
             assert_bitwise_equal(item, expected_item, f"{where}[{index}]")
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def sharded_snapshot(folder):
+    """A sharded snapshot (torch.distributed.checkpoint's folder) as one dict, every rank's parts put together, read
+    without a process group: {"MODEL_STATE": {...}, "EPOCHS_RUN": ..., ...}."""
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(folder, Path(scratch) / "whole.pt")
+        return torch.load(Path(scratch) / "whole.pt", map_location="cpu", weights_only=False)

@@ -263,6 +263,23 @@ def test_gpt_learns_reports_each_goal_met_or_not(capsys, seconds, held_out, know
 
 # End to end: what the benchmarks measure is what their reports read.
 
+def test_gpt_heads_reports_the_last_held_out_loss_of_each_head_count(capsys):
+    curves = {6: {50: (2.9, 2.88), 100: (2.7, 2.55)}, 8: {50: (2.8, 2.84), 100: (2.6, 2.50)}}
+    assert benchmark("gpt_heads").report(curves) == {6: 2.55, 8: 2.50}
+    assert "held-out loss after 100 steps: 6 heads 2.5500, 8 heads 2.5000 (8 minus 6: -0.0500)" in \
+        capsys.readouterr().out
+
+
+@pytest.mark.slow  # no process, but two GPU-size GPTs trained on the CPU: seconds
+def test_gpt_heads_trains_both_head_counts_from_the_same_weights_on_the_same_batches(monkeypatch, capsys):
+    printed = run_benchmark(monkeypatch, capsys, "gpt_heads.py", "--steps", 2, "--batch_size", 2, "--every", 1,
+                            "--eval", 2)
+    first = dict(re.findall(r"^(\d) heads of \d+: step 1 \| training loss ([\d.]+)", printed, re.M))
+    assert set(first) == {"6", "8"} and abs(float(first["6"]) - float(first["8"])) < 0.05, printed
+    assert re.search(r"held-out loss after 2 steps: 6 heads [\d.]+, 8 heads [\d.]+ \(8 minus 6: [-+][\d.]+\)",
+                     printed), printed
+
+
 @pytest.mark.slow
 def test_recovery_times_a_real_kill_against_a_cold_start(monkeypatch, capsys):
     """A torchrun job through tools/jobs, its worker SIGKILLed and resumed by torchrun: the timeline and the moments

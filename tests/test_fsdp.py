@@ -33,7 +33,7 @@ def wide_runs(tmp_path_factory):
         cwd = tmp_path_factory.mktemp(name)
         (cwd / "runs").mkdir()
         runs[name] = run(torchrun("fsdp.py", EPOCHS, 1, *WIDE, *options, "--snapshot_path", "runs/snapshot"),
-                         cwd=cwd, timeout=180)
+                         cwd=cwd, timeout=180, record=name == "bf16-offload")
     return runs
 
 
@@ -147,12 +147,16 @@ def test_a_snapshot_set_aside_by_a_cut_short_swap_is_put_back_and_a_corrupt_one_
 
 @pytest.mark.slow
 def test_bf16_with_cpu_offload_trains_on_cpu_ranks_as_fp32_does(wide_runs):
-    """FSDP's mixed-precision and offload policies run on gloo too: bf16 compute and reduce-scatter (its outputs
-    back in fp32 for the loss), the shards kept in (unpinned) CPU memory. Each epoch's loss within 2% of fp32's."""
+    """FSDP's mixed-precision and offload policies run on gloo too: bf16 compute, the gradients reduce-scattered in
+    fp32 (recorded at the collective, every epoch on every rank: a bf16 sum over many ranks would lose the gradients'
+    low bits), the outputs back in fp32 for the loss, the shards kept in (unpinned) CPU memory. Each epoch's loss
+    within 2% of fp32's."""
     bf16, fp32 = wide_runs["bf16-offload"].losses, wide_runs["fsdp"].losses
     assert bf16[EPOCHS - 1] < bf16[0], bf16
     for epoch in fp32:
         assert bf16[epoch] == pytest.approx(fp32[epoch], rel=0.02), (bf16, fp32)
+    reduced = [(row["rank"], row["epoch"], row["reduce_scatter_dtypes"]) for row in wide_runs["bf16-offload"].samples]
+    assert reduced == [(rank, epoch, ["float32"]) for rank, epoch, _ in reduced] and len(reduced) == 2 * EPOCHS
 
 
 @pytest.mark.gpu

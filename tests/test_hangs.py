@@ -1,11 +1,13 @@
 """Hangs fail fast: a node that never arrives, or a rank that never reaches a collective, ends the job with an
 error within the time the learner set, instead of a silent wait (torchrun's rendezvous waits 600 s by default,
 a process group 10 to 30 minutes)."""
+import re
 import time
 
 import pytest
 
 from tools.jobs import free_port, run, start, torchrun, torchrun_node
+from tools.jobs.processes import alive
 
 pytestmark = pytest.mark.slow
 STARTUP = 60  # generous: starting torchrun and its workers takes 3 s here, 20 s on a loaded 2-core machine
@@ -55,3 +57,33 @@ def test_a_rank_stuck_in_a_2d_job_makes_the_others_fail_within_the_timeout_of_th
     assert code is not None and code != 0, job.output[-3000:]
     assert f"Timed out waiting {timeout * 1000}ms" in job.output, job.output[-3000:]
     assert "epoch 2 |" not in job.output, "no rank trains on past a peer that never came"
+
+
+def test_a_rank_stuck_in_a_pipeline_job_makes_the_others_fail_within_the_timeout_with_one_line_each(tmp_path):
+    """pipeline_parallel.py, 2 pipelines of 2 stages (--pp 2 on 4 ranks): rank 1 (stage 0 of the second pipeline)
+    skips its third all_reduce, its first clipping of the gradient norm along its pipeline, and sleeps 120 s. Its
+    peers wait for it in the groups of the (pp, dp) mesh: rank 3 in the clipping all-reduce over pp, ranks 0 and 2 in
+    DDP's all-reduce over dp and in the stages' sends and receives. Each rank that gives up says so in one line, with
+    the timeout; torchrun then stops the others, the sleeping rank too: nothing is left running."""
+    from utils.gpt import TEXT_VARIABLE, help_pages
+
+    timeout = 5
+    (tmp_path / "text.txt").write_text(help_pages()[:4600])  # 64 sequences: 8 optimizer steps an epoch
+    command = torchrun("pipeline_parallel.py", 3, 3, "--pp", 2, "--workload", "gpt-cpu", "--batch_size", 4,
+                       "--microbatches", 2, "--timeout", timeout, nproc=4)
+    with start(command, cwd=tmp_path, env={TEXT_VARIABLE: tmp_path / "text.txt"}, skip_all_reduce=(1, 3)) as job:
+        workers = job.workers(nproc=4)
+        job.wait_for(r"rank 1 skips its all_reduce number 3", timeout=STARTUP)
+        skipped = time.monotonic()
+        while job.running() and time.monotonic() < skipped + timeout + STARTUP:
+            time.sleep(0.1)
+        took, left = time.monotonic() - skipped, [rank for rank, pid in workers.items() if alive(pid)]
+        [code] = job.wait(timeout=1)
+    assert code is not None and code != 0, f"still waiting {took:.0f} s after the skip:\n{job.output[-3000:]}"
+    assert not left, f"ranks {left} still ran after torchrun ended"
+    lines = re.findall(rf"^error: rank (\d): a collective gave up after --timeout {timeout} s \(Timed out waiting "
+                       rf"{timeout * 1000}ms for \w+ operation to complete\): a rank is stuck or gone; the last "
+                       "snapshot is kept, and the same command resumes from it$", job.output, re.M)
+    assert lines and len(lines) == len(set(lines)) and "1" not in lines, job.output[-3000:]
+    assert not re.search(r"^\[rank\d\]:.*Timed out waiting", job.output, re.M), "a timeout shown as a traceback"
+    assert "epoch 0 |" not in job.output, "no rank trains on past a peer that never came"

@@ -23,7 +23,7 @@ import single_gpu
 import tools.demo as demo
 from expect import assert_learned, assert_loads_into_fresh_model, assert_one_writer
 from tools import plot_metrics
-from tools.jobs import free_port, output, run, saved_name, start, torchrun, torchrun_node
+from tools.jobs import free_port, output, run, start, torchrun, torchrun_node
 from utils import make_workload
 from utils.gpt import TEXT_VARIABLE, help_pages
 
@@ -151,23 +151,25 @@ def test_the_demo_trains_the_gpt_with_accumulation_and_shows_its_sample(demo_run
 
 @pytest.mark.slow
 def test_the_demo_trains_the_gpt_on_a_dp2_x_tp2_mesh_with_every_rank_writing_its_shards(demo_run):
-    job = demo_run["jobs"]["tensor_parallel.py"]
+    """Step 7 in the folder where step 5 ran, with files of its own: step 5's snapshot/ and model_full.pt stay."""
+    job, folder = demo_run["jobs"]["tensor_parallel.py"], demo_run["run_dir"]
     assert job.ok and job.losses[demo.TP_EPOCHS - 1] < job.losses[0], job.output
-    assert "[rank 0/4 | local 0 | cpu] epoch 1 | snapshot saved to tensor_parallel/snapshot" in job.output
-    folder = demo_run["run_dir"] / "tensor_parallel"
-    assert sorted(path.name for path in (folder / "snapshot").iterdir()) == [
+    assert "[rank 0/4 | local 0 | cpu] epoch 1 | snapshot saved to tp_snapshot" in job.output
+    assert "resuming" not in job.output, "step 7 must not take step 5's snapshot for its own"
+    assert sorted(path.name for path in (folder / "tp_snapshot").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"], "every rank wrote its shards"
-    assert [rank for _, rank, _ in job.writes] == [0] and (folder / "model_full.pt").exists()
+    assert job.writes == [(job.writes[0][0], 0, str(folder / "tp_model_full.pt"))], job.writes
     assert {row["rank"]: row["mesh"] for row in job.samples if row["epoch"] == 0} == {
         0: {"dp": 0, "tp": 0}, 1: {"dp": 0, "tp": 1}, 2: {"dp": 1, "tp": 0}, 3: {"dp": 1, "tp": 1}}
 
 
 @pytest.mark.slow
-def test_the_demo_trains_the_gpt_in_two_pipeline_stages_each_saving_its_own(demo_run):
+def test_the_demo_trains_the_gpt_in_two_pipeline_stages_saving_one_snapshot_of_the_model(demo_run):
     job = demo_run["jobs"]["pipeline_parallel.py"]
     assert job.ok and sorted(job.losses) == [0] and output.samples(job.output), job.output
-    assert sorted({(rank, saved_name(path)) for _, rank, path in job.writes}) == \
-        [(0, "pp_snapshot.stage0.pt"), (1, "pp_snapshot.stage1.pt")], job.writes
+    assert sorted(path.name for path in (demo_run["run_dir"] / "pp_snapshot").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"], "each stage wrote its part"
+    assert job.writes == [], "no torch.save: the snapshot is sharded"
 
 
 # --- what DDP's gradient averaging means ----------------------------------------------------------------------------

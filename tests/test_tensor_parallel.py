@@ -1,24 +1,28 @@
 """Step 7, tensor_parallel.py: tensor parallelism (and 2D, FSDP x TP) trains what one process trains, up to float
 rounding; the ranks of a tp group take the same batches and the dp groups disjoint ones (recorded); each rank holds
-1/tp of every split matrix; a killed worker resumes under torchrun, and a snapshot resumes on another layout; bad
-input stops with one line.
+1/tp of every split matrix; a killed worker resumes under torchrun, and a snapshot resumes on another layout but not
+in another step; on two nodes, with dropout and bf16, tp stays inside a node, the tp group's copies of what it holds
+whole stay equal, every rank draws its own masks where it should, and a killed worker resumes to the same end bit for
+bit; bad input stops with one line.
 
-Every job trains the CPU-size GPT on a short excerpt of the help pages ($TUTORIAL_GPT_TEXT): 64 training blocks of
-64 characters, so a global batch of 8 sequences makes 8 optimizer steps an epoch, with dropout 0. One process
+The exact jobs train the CPU-size GPT on a short excerpt of the help pages ($TUTORIAL_GPT_TEXT): 64 training blocks
+of 64 characters, so a global batch of 8 sequences makes 8 optimizer steps an epoch, with dropout 0. One process
 computes the reference here, in this process: fsdp.py's loop (AdamW, no schedule) over the samples in the order a
 DistributedSampler over the dp ranks deals them (dp rank r gets shuffled positions r, r+2...: one batch of 8 holds
 exactly the 2 dp ranks' batches of 4)."""
 import re
+import runpy
 import shutil
+import sys
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from tools.jobs import output, run, script, shared_file, torchrun
-from utils import evaluate, make_workload, require_tp_fits
+from expect import assert_bitwise_equal, sharded_snapshot
+from tools.jobs import free_port, output, run, script, shared_file, torchrun, torchrun_node
+from utils import evaluate, make_workload, require_written_by
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, CausalSelfAttention, help_pages
 
 TEXT_CHARS = 4600  # 90% to train on: 64 blocks of 64 (+1) characters; 7 blocks held out
@@ -76,7 +80,7 @@ def reference(text):
 
 
 def job_in(folder, *args, nproc, **options):
-    """tensor_parallel.py run by torchrun in `folder` (its snapshot and model_full.pt land there)."""
+    """tensor_parallel.py run by torchrun in `folder` (its tp_snapshot/ and tp_model_full.pt land there)."""
     folder.mkdir(exist_ok=True)
     job = run(torchrun("tensor_parallel.py", *args, "--workload", "gpt-cpu", nproc=nproc,
                        launcher_args=options.pop("launcher_args", ())), cwd=folder, timeout=240, **options)
@@ -104,7 +108,7 @@ def alone(tmp_path_factory, two_d, text):
     """The dp 2 x tp 2 snapshot (2 epochs) resumed by one process with --tp 1 (FSDP alone, over one rank), batch 8,
     for a third epoch. Recorded."""
     folder = tmp_path_factory.mktemp("alone")
-    shutil.copytree(two_d.cwd / "snapshot", folder / "snapshot")
+    shutil.copytree(two_d.cwd / "tp_snapshot", folder / "tp_snapshot")
     return job_in(folder, EPOCHS + 1, 1, "--tp", 1, "--batch_size", GLOBAL_BATCH, nproc=1, env=exact(text),
                   record=True)
 
@@ -119,7 +123,7 @@ def recorded_losses(job):
 
 
 def final_weights(job):
-    saved = torch.load(job.cwd / "model_full.pt", map_location="cpu", weights_only=True)
+    saved = torch.load(job.cwd / "tp_model_full.pt", map_location="cpu", weights_only=True)
     return {name: tensor for name, tensor in saved.items() if isinstance(tensor, torch.Tensor)}
 
 
@@ -210,12 +214,12 @@ def test_verbose_shows_each_rank_holding_half_of_every_split_matrix_and_a_quarte
 @pytest.mark.slow
 def test_every_rank_writes_its_shards_and_rank_0_a_full_model_that_a_plain_gpt_loads(two_d, text):
     folder = two_d.cwd
-    assert sorted(path.name for path in (folder / "snapshot").iterdir()) == [
+    assert sorted(path.name for path in (folder / "tp_snapshot").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
-    dcp_to_torch_save(folder / "snapshot", folder / "gathered.pt")  # the snapshot, put together offline
-    snapshot = torch.load(folder / "gathered.pt", weights_only=False)
-    exported = torch.load(folder / "model_full.pt", map_location="cpu", weights_only=True)
-    assert snapshot["EPOCHS_RUN"] == EPOCHS and exported.keys() == snapshot["MODEL_STATE"].keys()
+    snapshot = sharded_snapshot(folder / "tp_snapshot")  # the snapshot, put together offline
+    exported = torch.load(folder / "tp_model_full.pt", map_location="cpu", weights_only=True)
+    assert (snapshot["EPOCHS_RUN"], snapshot["STEP"]) == (EPOCHS, "tensor_parallel.py")
+    assert exported.keys() == snapshot["MODEL_STATE"].keys()
     for name, tensor in final_weights(two_d).items():
         assert torch.equal(tensor, snapshot["MODEL_STATE"][name]), name
     workload = built(text)
@@ -257,51 +261,152 @@ def test_attention_split_megatron_style_by_hand_sums_to_the_whole(text):
 # --- precision, bad input ---------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_bf16_on_the_cpu_tracks_fp32(tmp_path, text, reference):
-    """One process, --tp 1, one epoch in bf16 (FSDP's MixedPrecisionPolicy: bf16 compute, fp32 shards)."""
-    job = job_in(tmp_path / "bf16", 1, 1, "--tp", 1, "--batch_size", GLOBAL_BATCH, "--precision", "bf16", nproc=1,
+def test_bf16_tensor_parallelism_on_the_cpu_tracks_fp32(tmp_path, text, reference):
+    """tp 2 on 2 ranks, one epoch in bf16 (FSDP's MixedPrecisionPolicy: bf16 compute, fp32 shards and gradient
+    reduction): the loss within 0.02 of one process's in fp32 (measured: 1e-3)."""
+    job = job_in(tmp_path / "bf16", 1, 1, "--tp", 2, "--batch_size", GLOBAL_BATCH, "--precision", "bf16", nproc=2,
                  env=exact(text))
     assert job.losses[0] == pytest.approx(reference[0][0], abs=0.02), job.output
 
 
-@pytest.mark.slow
-def test_tp_that_does_not_divide_the_processes_stops_every_rank_with_one_line(tmp_path, text):
-    """1 process, --tp 2: the worker stops with one line before any training (torchrun then reports it failed)."""
-    job = job_in(tmp_path / "bad", 1, 1, "--tp", 2, nproc=1, env=exact(text), check=False)
-    assert job.returncode not in (0, None) and "[rank0]:" not in job.output, job.output  # no worker traceback
-    assert job.errors == ["error: --tp 2 must divide the number of processes (1) and of attention heads (4): the "
-                          "processes form groups of 2, and each group splits every block's heads evenly"], job.output
-    assert not (tmp_path / "bad" / "snapshot").exists()
-
-
-def test_heads_that_do_not_divide_by_tp_are_refused():
+def run_main(monkeypatch, world_size, *args):
+    """tensor_parallel.py's __main__ in this process, as torchrun starts rank 0 of `world_size`: its checks come
+    before init_process_group. The SystemExit it stops with."""
+    monkeypatch.setattr(sys, "argv", ["tensor_parallel.py", "2", "1", *map(str, args)])
+    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "LOCAL_WORLD_SIZE": world_size,
+                        "WORLD_SIZE": world_size}.items():
+        monkeypatch.setenv(name, str(value))
     with pytest.raises(SystemExit) as stop:
-        require_tp_fits(3, 6, 4)
-    assert str(stop.value).startswith("error: --tp 3 must divide the number of processes (6) and of attention heads "
-                                      "(4)")
-    require_tp_fits(2, 4, 6)  # 2 groups of 2, 3 heads each
+        runpy.run_path(script("tensor_parallel.py"), run_name="__main__")
+    return stop.value
+
+
+@pytest.mark.parametrize("world_size, args, message", [
+    (1, ["--tp", 2], "error: --tp 2 must divide the number of processes (1) and of attention heads (4): the processes "
+                     "form groups of 2, and each group splits every block's heads evenly"),
+    (6, ["--tp", 3, "--workload", "gpt-cpu"], "error: --tp 3 must divide the number of processes (6) and of attention "
+                                              "heads (4): the processes form groups of 3, and each group splits every "
+                                              "block's heads evenly"),
+])
+def test_a_tp_that_cannot_split_the_job_stops_with_one_line_before_the_process_group(monkeypatch, tmp_path,
+                                                                                     world_size, args, message):
+    monkeypatch.chdir(tmp_path)
+    assert str(run_main(monkeypatch, world_size, *args)) == message
+    assert list(tmp_path.iterdir()) == [], "nothing may be written"
 
 
 @pytest.mark.parametrize("option, value", [("--workload", "wide"), ("--precision", "fp16"), ("--tp", "0")])
 def test_an_option_it_cannot_run_stops_with_one_line_before_anything_starts(monkeypatch, capsys, option, value):
     """Tensor parallelism splits the GPT's blocks, so no other workload; fp16 would need a gradient scaler."""
-    import runpy
-    import sys
-
-    monkeypatch.setattr(sys, "argv", ["tensor_parallel.py", "2", "1", option, value])
-    with pytest.raises(SystemExit) as stop:
-        runpy.run_path(script("tensor_parallel.py"), run_name="__main__")
-    assert stop.value.code == 2
+    assert run_main(monkeypatch, 2, option, value).code == 2
     assert re.search(rf"tensor_parallel.py: error: argument {option}: ", capsys.readouterr().err.splitlines()[-1])
+
+
+# --- a snapshot of another step ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_step_5s_snapshot_of_the_same_gpt_is_refused_with_one_line_and_left_as_it_was(tmp_path, text):
+    """fsdp.py trains the GPT and saves snapshot/ and model_full.pt; tensor_parallel.py pointed at that snapshot stops
+    every rank with one line that says whose it is, before training, and changes none of step 5's files. (By default
+    the two steps do not meet at all: step 7 writes tp_snapshot/ and tp_model_full.pt.)"""
+    run(torchrun("fsdp.py", 1, 1, "--workload", "gpt-cpu", nproc=1), cwd=tmp_path, env=exact(text), timeout=120)
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    job = job_in(tmp_path, 2, 1, "--tp", 1, "--snapshot_path", "snapshot", nproc=1, env=exact(text), check=False)
+    assert job.returncode not in (0, None) and "[rank0]:" not in job.output, job.output
+    assert job.errors == ["error: snapshot holds fsdp.py's snapshot after 1 epoch, not tensor_parallel.py's: give "
+                          "this run its own --snapshot_path, or move snapshot away to start anew; it is left in "
+                          "place"], job.output
+    assert "epoch 1 |" not in job.output
+    after = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file() and path.suffix != ".log"}
+    assert after == {path: data for path, data in before.items() if path.suffix != ".log"}
+
+
+def test_a_snapshot_names_the_step_that_saved_it_and_another_steps_is_refused(tmp_path):
+    """require_written_by reads a sharded snapshot's STEP and EPOCHS_RUN (here without a process group, as DCP allows
+    in one process): the step's own passes; another step's, or one that names none, stops with one line."""
+    import torch.distributed.checkpoint as dcp
+
+    for name, state in (("fsdp", dict(STEP="fsdp.py", EPOCHS_RUN=3)), ("older", dict(EPOCHS_RUN=1)),
+                        ("own", dict(STEP="tensor_parallel.py", EPOCHS_RUN=2))):
+        dcp.save(dict(MODEL_STATE={"w": torch.zeros(2)}, **state), checkpoint_id=tmp_path / name)
+    require_written_by("tensor_parallel.py", tmp_path / "own")
+    for name, holds in (("fsdp", "fsdp.py's snapshot after 3 epochs"),
+                        ("older", "a snapshot that names no step (an older one) after 1 epoch")):
+        with pytest.raises(SystemExit) as stop:
+            require_written_by("tensor_parallel.py", tmp_path / name)
+        assert str(stop.value) == (f"error: {tmp_path / name} holds {holds}, not tensor_parallel.py's: give this run "
+                                   f"its own --snapshot_path, or move {tmp_path / name} away to start anew; it is "
+                                   "left in place")
+
+
+# --- as practitioners run it: two nodes, dropout, bf16 ----------------------------------------------------------------
+
+def on_two_nodes(folder, text, **options):
+    """tensor_parallel.py on two torchrun nodes of 2 processes each, meeting on loopback, both in `folder` (as on a
+    shared file system): --tp 2 (a tp group per node, FSDP across them), dropout 0.2, bf16, batches of 4 per dp rank,
+    3 epochs and a snapshot after each. Recorded."""
+    node = torchrun_node("tensor_parallel.py", 3, 1, "--workload", "gpt-cpu", "--tp", 2, "--batch_size", 4,
+                         "--precision", "bf16", nproc=2, endpoint=f"127.0.0.1:{free_port()}", run_id=folder.name,
+                         launcher_args=["--max_restarts=1"])
+    return run(node, node, cwd=folder, env={TEXT_VARIABLE: text, DROPOUT_VARIABLE: 0.2}, record=True, timeout=240,
+               **options)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory, text):
+    """The job on two nodes, uninterrupted; and the same job with rank 3 SIGKILLed as it begins epoch 1: the
+    torchruns of both nodes start their workers again, and they resume from the snapshot of epoch 0."""
+    return (on_two_nodes(tmp_path_factory.mktemp("two_nodes"), text),
+            on_two_nodes(tmp_path_factory.mktemp("two_nodes_killed"), text, kill_at=(0, 3, 1)))
+
+
+@pytest.mark.slow
+def test_on_two_nodes_a_tp_group_is_a_node_and_with_dropout_its_copies_stay_equal_its_heads_masks_apart(two_nodes):
+    """tp innermost: ranks 0, 1 form a tp group on one node, ranks 2, 3 on the other; FSDP's dp groups cross them.
+    Dropout (recorded: the generator state each mask was drawn from, every epoch): the ranks of a tp group draw the same
+    masks on the activations they all hold (else their copies would drift apart), the dp ranks other ones, and every
+    rank its own on its own heads' attention weights; and what a tp group holds whole (the norms, the embedding, the
+    head, FSDP's shards of them) stays equal on its ranks, epoch after epoch. FSDP reduce-scatters the gradients in
+    fp32 though it computes in bf16."""
+    whole, _ = two_nodes
+    rows = [row for row in whole.samples if row["restart"] == 0]
+    layout = {row["rank"]: (row["node"], row["mesh"]["dp"], row["mesh"]["tp"]) for row in rows}
+    assert {rank: (dp, tp) for rank, (_, dp, tp) in layout.items()} == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
+    assert layout[0][0] == layout[1][0] != layout[2][0] == layout[3][0], layout
+    for epoch in range(3):
+        by_rank = {row["rank"]: row for row in rows if row["epoch"] == epoch}
+        dropout = {rank: row["draws"]["dropout"] for rank, row in by_rank.items()}
+        assert dropout[0] == dropout[1] != dropout[2] == dropout[3], f"epoch {epoch}: {dropout}"
+        heads = [row["draws"]["attention"] for row in by_rank.values()]
+        assert len(set(heads)) == 4, f"epoch {epoch}: two ranks drew the same masks for their heads"
+        held_whole = {rank: row["whole_along_tp"] for rank, row in by_rank.items()}
+        assert held_whole[0] == held_whole[1] and held_whole[2] == held_whole[3], f"epoch {epoch}: {held_whole}"
+        reduced = {rank: row["reduce_scatter_dtypes"] for rank, row in by_rank.items()}
+        assert reduced == {rank: ["float32"] for rank in range(4)}, f"epoch {epoch}: {reduced}"
+
+
+@pytest.mark.slow
+def test_on_two_nodes_with_dropout_and_bf16_it_learns_and_a_killed_worker_resumes_to_the_same_end_bit_for_bit(
+        two_nodes):
+    """The loss falls; after the kill every rank resumes from epoch 1, and the snapshot after the last epoch and the
+    exported model are the uninterrupted job's, bit for bit: a resumed epoch draws the masks it drew the first time
+    (seeded by the epoch and the rank's place in the mesh)."""
+    whole, killed = two_nodes
+    losses = whole.losses
+    assert sorted(losses) == [0, 1, 2] and losses[2] < losses[1] < losses[0], whole.output
+    assert killed.ok and any(row["restart"] == 1 for row in killed.samples), killed.output
+    assert sorted(re.findall(r"\[rank (\d)/4[^\]]*\] resuming from epoch 1", killed.output)) == ["0", "1", "2", "3"]
+    assert_bitwise_equal(sharded_snapshot(killed.cwd / "tp_snapshot"), sharded_snapshot(whole.cwd / "tp_snapshot"))
+    assert (killed.cwd / "tp_model_full.pt").read_bytes() == (whole.cwd / "tp_model_full.pt").read_bytes()
 
 
 # --- GPUs -------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
 def test_bf16_tensor_parallelism_trains_on_the_gpus_there_are(tmp_path):
-    """The GPU-size GPT (6 heads) on the help pages: tp 2 on 2 or more GPUs (dp the rest), bf16."""
+    """The GPU-size GPT (8 heads) on the help pages: tp 2 on 2 or more GPUs (dp the rest), bf16."""
     count = torch.cuda.device_count()
-    nproc = 4 if count >= 4 else 2 if count >= 2 else 1  # the GPU size's 6 heads split over 2
+    nproc = 4 if count >= 4 else 2 if count >= 2 else 1
     tp = 2 if nproc >= 2 else 1
     job = run(torchrun("tensor_parallel.py", 2, 2, "--tp", tp, "--precision", "bf16", "--verbose", nproc=nproc),
               cwd=tmp_path, gpu=True, timeout=600)

@@ -77,13 +77,12 @@ def main():
     excerpt = None if GPUS or os.environ.get(TEXT_VARIABLE) else RUN_DIR / "help_excerpt.txt"
     if excerpt:
         excerpt.write_text(help_pages()[:TP_CHARS])
-    (RUN_DIR / "tensor_parallel").mkdir()  # its snapshot and full model, apart from step 5's
+    # Its snapshot (tp_snapshot/) and full model (tp_model_full.pt) have names of their own, apart from step 5's.
     jobs["tensor_parallel.py"] = show("Step 7: tensor parallelism and FSDP on a dp x tp mesh (a GPT block split in 2)",
                                       torchrun("tensor_parallel.py", TP_EPOCHS, 1, "--tp", 2 if GPUS % 2 == 0 else 1,
-                                               "--snapshot_path", "tensor_parallel/snapshot",
                                                *(["--precision", "bf16"] if GPUS else []), nproc="gpu" if GPUS else 4),
                                       env={TEXT_VARIABLE: excerpt} if excerpt else None, timeout=args.timeout)
-    # One epoch of the help pages: each stage runs every batch through its half of the model.
+    # One epoch of the help pages: each stage runs every batch through its half of the model (--pp 2, by default).
     jobs["pipeline_parallel.py"] = show("Step 8: the GPT in 2 pipeline stages, 4 micro-batches each (1F1B)", torchrun(
         "pipeline_parallel.py", 1, 1, *(["--precision", "bf16"] if GPUS else []),
         nproc=min(GPUS, 2) or 2), timeout=args.timeout)

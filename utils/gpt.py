@@ -11,15 +11,18 @@ shifted characters.
 Two sizes of the same model:
 
     "cpu"  2 layers, 4 heads, 64 wide, context 64, no dropout: writes words after a minute on a laptop's cores
-    "gpu"  6 layers, 6 heads, 384 wide, context 256, dropout 0.2: nanoGPT's shakespeare-char model, ~10.8M weights
+    "gpu"  6 layers, 8 heads, 384 wide, context 256, dropout 0.2: nanoGPT's shakespeare-char model, ~10.8M weights,
+           with 8 heads of 48 instead of 6 of 64, so that tensor parallelism splits them over 1, 2, 4 or 8 GPUs
 
-`gpt(seed)` picks "gpu" when CUDA is available and "cpu" otherwise; `gpt_cpu` and `gpt_gpu` pick one by name.
+`gpt(seed)` picks "gpu" when CUDA is available and "cpu" otherwise; `gpt_cpu` and `gpt_gpu` pick one by name, and
+`size_of(workload)` says which size a workload's name trains, before anything is built.
 `dropout=` (a GPT step's `--dropout`, or $TUTORIAL_GPT_DROPOUT) overrides the size's dropout: 0 for exact
 comparisons, where every rank then computes what one process would.
 
 Besides the Workload itself: encode() and decode() between text and token ids, unwrap() to find the GPT inside
 DDP or torch.compile, and flops_per_token(model), what one trained token costs (for the MFU, utils/loop.py).
 """
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -59,8 +62,11 @@ SIZES = {
     # 104 steps. python benchmarks/gpt_learns.py measures it.
     "cpu": GPTConfig(n_layer=2, n_head=4, n_embd=64, context=64, dropout=0.0, lr=6e-3, betas=(0.9, 0.99),
                      weight_decay=0.1),
-    # nanoGPT's config/train_shakespeare_char.py: "baby GPT", batch 64 of 256 characters, lr 1e-3, betas (0.9, 0.99).
-    "gpu": GPTConfig(n_layer=6, n_head=6, n_embd=384, context=256, dropout=0.2, lr=1e-3, betas=(0.9, 0.99),
+    # nanoGPT's config/train_shakespeare_char.py: "baby GPT", batch 64 of 256 characters, lr 1e-3, betas (0.9, 0.99),
+    # but 8 heads of 48 where nanoGPT has 6 of 64: the same weights and FLOPs (heads only cut the width into parts),
+    # and a head count that tensor parallelism splits over 8-GPU nodes (--tp 1, 2, 4 or 8). benchmarks/gpt_heads.py
+    # compares the two.
+    "gpu": GPTConfig(n_layer=6, n_head=8, n_embd=384, context=256, dropout=0.2, lr=1e-3, betas=(0.9, 0.99),
                      weight_decay=0.1),
 }
 
@@ -162,6 +168,9 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.attention_dropout = config.dropout  # on the attention weights, inside the fused kernel
         self.dropout = nn.Dropout(config.dropout)  # on the output
+        # Where the dropout of the attention weights draws its masks: the default generator, unless a step gives the
+        # attention a generator of its own (tensor_parallel.py: each rank its own heads' masks).
+        self.generator = None
 
     def forward(self, x):
         B, T, _ = x.shape
@@ -170,8 +179,9 @@ class CausalSelfAttention(nn.Module):
         heads = q.shape[-1] // self.head_size
         q, k, v = (t.view(B, T, heads, self.head_size).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hs)
         # softmax(q k^T / sqrt(hs)) v with the causal mask, fused (flash attention on recent GPUs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.attention_dropout if self.training else 0.0)
+        with contextlib.nullcontext() if self.generator is None else drawing_from(self.generator):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.attention_dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, heads * self.head_size)  # the heads side by side again
         return self.dropout(self.proj(y))
 
@@ -254,6 +264,31 @@ class GPT(nn.Sequential):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+
+@contextlib.contextmanager
+def drawing_from(generator):
+    """Inside it, random operations on `generator`'s device draw from `generator` (its state moves on) instead of the
+    device's default generator, which is left where it was. For operations that take no generator of their own, such
+    as the dropout inside scaled_dot_product_attention: Megatron's model-parallel RNG tracker does the same."""
+    device = generator.device
+    if device.type == "cuda":
+        get, put = (lambda: torch.cuda.get_rng_state(device)), (lambda state: torch.cuda.set_rng_state(state, device))
+    else:
+        get, put = torch.get_rng_state, torch.set_rng_state
+    default = get()
+    put(generator.get_state())
+    try:
+        yield
+    finally:
+        generator.set_state(get())
+        put(default)
+
+
+def size_of(workload):
+    """The GPTConfig that the GPT workload `workload` ("gpt", "gpt-cpu", "gpt-gpu") trains, as gpt() picks it: the
+    GPU size for "gpt" where CUDA is available. Its vocabulary size is unknown (0) until a text is read."""
+    return SIZES[workload.partition("-")[2] or ("gpu" if torch.cuda.is_available() else "cpu")]
 
 
 def unwrap(model):

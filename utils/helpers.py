@@ -11,6 +11,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from utils.gpt import size_of
+
 
 def positive_int(text):
     """argparse type: a whole number >= 1 (epochs, save interval, batch size, processes)."""
@@ -117,6 +119,10 @@ def reason(error):
         message = "not a file of tensors torch.load can read safely" + (f" ({found[0]})" if found else "")
     elif message.startswith("Error(s) in loading state_dict for") and len(lines) > 1:
         message = f"it holds another model than this {message.split()[-1].rstrip(':')}: " + _state_dict_mismatch(lines[1:])
+    elif message.startswith("Missing key in checkpoint state_dict: "):  # a sharded snapshot (DCP) lacks one
+        message = f"it holds another model than this run's: it has no {message.split(': ', 1)[1]}"
+    elif message.startswith("Size mismatch between saved"):
+        message = f"it holds another model than this run's: its {message.rsplit(' for ', 1)[-1]} has another shape"
     if isinstance(error, OSError) and error.strerror:
         message = error.strerror + (f": {error.filename}" if error.filename else "")
     if not message and isinstance(error, EOFError):
@@ -272,13 +278,33 @@ def require_same_start(epochs_run, device):
                          "--snapshot_path on storage that every node shares")
 
 
-def require_tp_fits(tp, world_size, heads):
-    """Stop with one line, before any work, when `--tp` cannot split the job: the processes must form whole tp groups,
-    and each block's attention heads must split evenly over a group (a rank computes heads/tp of them)."""
+def require_tp_fits(args, world_size):
+    """Stop with one line, before any process group forms, when tensor_parallel.py's `--tp` cannot split the job: the
+    processes must form whole tp groups, and each block's attention heads must split evenly over a group (a rank
+    computes heads/tp of them). The heads are those of the GPT size that `--workload` trains here."""
+    tp, heads = args.tp, size_of(args.workload).n_head
     if world_size % tp or heads % tp:
         raise SystemExit(f"error: --tp {tp} must divide the number of processes ({world_size}) and of attention heads "
                          f"({heads}): the processes form groups of {tp}, and each group splits every block's heads "
                          "evenly")
+
+
+def require_written_by(step, path):
+    """Stop every rank with one line, before a sharded snapshot is loaded, unless `step` (a script's name) saved it:
+    a snapshot of another step goes on with another loop, even where the model is the same (step 5 trains the GPT
+    with no schedule, step 7 splits it). The line says what the snapshot holds and what to do. The steps that save
+    sharded snapshots name themselves in them (STEP); one without the name is from before they did. A collective (it
+    reads the snapshot's STEP and EPOCHS_RUN with torch.distributed.checkpoint): call it on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    saved = dict(STEP="", EPOCHS_RUN=0)
+    dcp.load(saved, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))  # missing: kept as is
+    if saved["STEP"] != step:
+        epochs = f"{saved['EPOCHS_RUN']} epoch" + "s" * (saved["EPOCHS_RUN"] != 1)
+        holds = f"{saved['STEP']}'s snapshot" if saved["STEP"] else "a snapshot that names no step (an older one)"
+        raise SystemExit(f"error: {path} holds {holds} after {epochs}, not {step}'s: give this run its own "
+                         f"--snapshot_path, or move {path} away to start anew; it is left in place")
 
 
 def require_epochs_left(epochs_run, total_epochs, snapshot_path):

@@ -5,6 +5,7 @@ Ctrl-C), and a rendezvous port that is checked.
 import contextlib
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import sys
@@ -63,6 +64,30 @@ def _stop_on_ctrl_c(signum, _frame):
     os._exit(130)
 
 
+def _one_line_on_timeout(timeout_s, shown):
+    """A torchrun worker's sys.excepthook: a collective that gave up waiting for a peer (gloo's "Timed out waiting
+    60000ms for recv operation to complete", from any of the job's process groups) ends the worker with one line that
+    says what happened and what to do, instead of a traceback of dozens; any other error is shown as `shown` shows it.
+    init_process_group wraps the hook it finds (it prefixes every line with the rank, writing them to a buffer first),
+    so the line goes straight to the process's stderr."""
+    def hook(kind, error, traceback):
+        cause, waited = error, None
+        while cause is not None and waited is None:  # torch.distributed.pipelining re-raises it as the cause of its own
+            if isinstance(cause, RuntimeError):
+                waited = re.search(r"Timed out waiting \d+ms[^\n]*", str(cause))
+            cause = cause.__cause__ or cause.__context__
+        if waited is None:
+            return shown(kind, error, traceback)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os.write(2, f"error: rank {os.environ.get('RANK')}: a collective gave up after --timeout {timeout_s} s "
+                    f"({waited[0].rstrip('. ')}): a rank is stuck or gone; the last snapshot is kept, and the same "
+                    "command resumes from it\n".encode())
+        os._exit(1)
+
+    return hook
+
+
 def attempt_store(timeout_s):
     """The store the workers of this torchrun attempt form their process group in: pass it to init_process_group.
 
@@ -78,10 +103,12 @@ def attempt_store(timeout_s):
 
     It also bounds this worker's life: if the process group has not formed within timeout_s it stops with one line
     (gloo's own connect can wait 5 x the timeout), and if torchrun is gone it stops with one line instead of
-    training on alone, writing the snapshot a new job reads. And Ctrl-C stops it with one line, not a traceback.
+    training on alone, writing the snapshot a new job reads. A collective that gave up waiting for a peer, and Ctrl-C,
+    stop it with one line, not a traceback.
     """
     threading.Thread(target=_watch, args=(timeout_s, os.getppid()), daemon=True).start()
     signal.signal(signal.SIGINT, _stop_on_ctrl_c)
+    sys.excepthook = _one_line_on_timeout(timeout_s, sys.excepthook)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     deadline = time.monotonic() + timeout_s

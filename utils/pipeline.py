@@ -1,50 +1,46 @@
-"""What pipeline_parallel.py (step 8) needs to cut the GPT into stages and put it back together, and its checks:
-the mechanics around the lesson, not the lesson (the stage, the schedule, the micro-batches stay in the step).
+"""What pipeline_parallel.py (step 8) needs around its pipeline and does not teach: the checks of its options, the
+shapes a stage sends and receives, and the whole GPT put back together at the end (the cut into stages, the stage,
+the schedule and the micro-batches stay in the step).
 
-    require_pipeline_fits(args, world_size)     the pipeline's stages, or one line and exit when it cannot be built
-    pipeline_stage(model, stage, stages)        a stage's layers: the GPT less the other stages'
+    require_pipeline_fits(args, world_size)     one line and exit when the pipelines cannot be built
+    require_a_batch(train_data)                 one line and exit when a pipeline gets no whole batch in an epoch
     stage_io(model, micro_batch, stage, stages) what a stage receives and sends per micro-batch (their shapes)
     reassembled(stage)                          the whole GPT again, from every rank's stage
 """
 import torch
 import torch.distributed as dist
 
-from utils.gpt import GPT, SIZES, unwrap
-
-
-def pipeline_stage(model, stage, stages):
-    """Stage `stage` (0 to stages - 1) of a pipeline over the GPT `model`: the model itself, with the layers of the
-    other stages taken out. The blocks are dealt out in consecutive runs (sizes differing by one at most); the
-    embedding goes with the first stage, the final norm and the head with the last. It stays a GPT whose config
-    describes the whole model (the FLOPs of a token), and its layers keep their names (block3 stays block3), so a
-    stage's state_dict holds the whole model's keys for its layers."""
-    blocks = [name for name, _ in model.named_children() if name.startswith("block")]
-    mine = blocks[stage * len(blocks) // stages:(stage + 1) * len(blocks) // stages]
-    mine += ["embed"] * (stage == 0) + ["head"] * (stage == stages - 1)
-    for name in [name for name, _ in model.named_children() if name not in mine]:
-        delattr(model, name)
-    return model
+from utils.gpt import GPT, size_of, unwrap
 
 
 def require_pipeline_fits(args, world_size):
-    """The number of stages of pipeline_parallel.py's pipelines (world_size / --dp), after checking that they can be
-    built: else one line and exit 1, before any process group forms. Each stage needs a block of the GPT at least,
-    the micro-batches one size, and 1F1B a micro-batch per stage to fill its pipeline."""
-    size = args.workload.partition("-")[2] or ("gpu" if torch.cuda.is_available() else "cpu")  # as gpt() picks it
-    stages, blocks, M = world_size // args.dp, SIZES[size].n_layer, args.microbatches
-    if world_size % args.dp:
-        raise SystemExit(f"error: --dp {args.dp} does not divide the {world_size} processes: each of the --dp "
-                         "pipelines needs as many processes as it has stages")
+    """Stop with one line, before any process group forms, when pipeline_parallel.py's pipelines cannot be built:
+    the processes must form whole pipelines of --pp stages, each stage needs a block of the GPT at least (of the size
+    --workload trains here), the micro-batches one size, and 1F1B a micro-batch per stage to fill its pipeline."""
+    stages, blocks, M = args.pp, size_of(args.workload).n_layer, args.microbatches
+    if world_size % stages:
+        raise SystemExit(f"error: --pp {stages} does not divide the {world_size} processes: they form pipelines of "
+                         f"{stages} stages, a process each")
     if stages > blocks:
-        raise SystemExit(f"error: {stages} pipeline stages ({world_size} processes / --dp {args.dp}) but the GPT has "
-                         f"{blocks} blocks: each stage needs one at least; start fewer processes or raise --dp")
+        raise SystemExit(f"error: --pp {stages} stages but the GPT has {blocks} blocks: each stage needs one at least; "
+                         "lower --pp")
     if args.batch_size % M:
         raise SystemExit(f"error: --microbatches {M} does not divide --batch_size {args.batch_size}: the "
                          "micro-batches must all have one size")
     if args.schedule == "1f1b" and M < stages:
         raise SystemExit(f"error: --schedule 1f1b needs a micro-batch per stage at least ({stages}), got "
                          f"--microbatches {M}: raise it, or use --schedule gpipe")
-    return stages
+
+
+def require_a_batch(train_data):
+    """Stop with one line, before any training, when a pipeline's share of the data holds no whole batch: the stages'
+    buffers have one shape, so an incomplete last batch is dropped, and an epoch without batches would train nothing.
+    Every rank computes the same: all of them stop."""
+    sequences, pipelines = len(train_data.sampler), train_data.sampler.num_replicas
+    if len(train_data) == 0:
+        raise SystemExit(f"error: each of the {pipelines} pipelines gets {sequences} sequences an epoch, fewer than "
+                         f"--batch_size {train_data.batch_size}: no whole batch to train on; lower --batch_size, or "
+                         "start fewer pipelines (fewer processes, or a larger --pp)")
 
 
 def stage_io(model, micro_batch, stage, stages, dtype=None):

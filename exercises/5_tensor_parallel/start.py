@@ -14,11 +14,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
@@ -27,8 +26,8 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_same_arguments, require_same_start
-from utils import exists_on_any_rank, log_memory
-from utils import log_slices, mesh_with_timeout, require_tp_fits
+from utils import exists_on_any_rank, log_memory, require_written_by
+from utils import SEED, log_slices, mesh_with_timeout, require_tp_fits
 
 # Megatron-style: q, k, v and the MLP's first matrix split by rows (a rank computes n_head/tp heads), the matrices
 # after them by columns, their partial sums all-reduced over tp; backward all-reduces once at each input.
@@ -58,20 +57,24 @@ class Trainer:
         # Each block, then the root: one block's full weights exist at a time; each parameter becomes a 1/N shard.
         for module in [*model.children(), model] if fsdp else []:
             fully_shard(module, **fsdp)
-        optimizer = make_optimizer(model)  # after fully_shard: it steps the shards
+        self.optimizer = make_optimizer(model)  # after fully_shard: it steps the shards
         self.train_data = train_data
-        self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.save_every = save_every
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path = snapshot_path
         self.verbose, self.dp = verbose, fsdp["mesh"]  # dp: the ranks that split the data
+        # Each rank draws the dropout masks of its own heads' attention weights from a generator of its own.
+        self.heads = torch.Generator(device)
+        for block in list(model.children())[1:-1]:
+            block.attention.generator = self.heads
         # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
         self.epochs_run = self._load_snapshot() if exists_on_any_rank(snapshot_path, device) else 0
         require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
+            require_written_by("tensor_parallel.py", self.snapshot_path)
             # Each rank reads only its own shards, into the (sharded) state it already has.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state, EPOCHS_RUN=0)
@@ -91,13 +94,20 @@ class Trainer:
     def _run_epoch(self, epoch):
         start = time.perf_counter()
         self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        # Dropout, seeded anew each epoch by the epoch and the rank's place in the mesh. The ranks of a tp group hold
+        # the activations between the split matrices whole and must drop the same elements of them, else their copies
+        # drift apart: one seed per dp rank. Their own heads draw from seeds of their own. No random state needs to
+        # be saved: a resumed epoch draws what it drew the first time, on any layout.
+        torch.manual_seed(hash((SEED, epoch, self.dp.get_local_rank())))
+        self.heads.manual_seed(hash((SEED, epoch, self.dp.size() + self.global_rank)))
         totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
         log_rank_metrics(epoch, len(self.train_data), totals, start)
-        dist.all_reduce(totals, group=self.dp.get_group())  # over dp: a tp group counts its samples once
+        # Summed over dp only: the ranks of a tp group trained on the same samples, which count once.
+        dist.all_reduce(totals, group=self.dp.get_group())
         mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         if self.global_rank == 0:
@@ -107,7 +117,7 @@ class Trainer:
     def _save_snapshot(self, epoch):
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
         snapshot = dict(zip(["MODEL_STATE", "OPTIMIZER_STATE"], get_state_dict(self.model, self.optimizer)),
-                        EPOCHS_RUN=epoch + 1)
+                        EPOCHS_RUN=epoch + 1, STEP="tensor_parallel.py")
         # Every rank writes its shards into one folder of the job's; rank 0 then swaps it in for the last snapshot.
         tmp = f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp"
         with replacing(self.snapshot_path, tmp, rename=self.global_rank == 0):
@@ -118,7 +128,7 @@ class Trainer:
     def train(self, max_epochs):
         require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
         log_memory("start", self.model, self.optimizer, self.device, self.verbose)  # every rank's, in one table
-        log_slices(self.model.block0, self.verbose)  # every rank's part of each matrix of a block, in one table
+        log_slices(self.model.block0, self.verbose)  # each rank's part of a block's matrices, in one table
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             log_memory(f"after epoch {epoch}", self.model, self.optimizer, self.device, self.verbose)
@@ -139,29 +149,36 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, dp_mesh):
 
 
 def main(args):
+    # Whole tp groups, and whole heads on every rank of one: else one line, before anything starts.
+    require_tp_fits(args, int(os.environ["WORLD_SIZE"]))
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
     workload = load_train_objs(args)
-    require_tp_fits(args.tp, dist.get_world_size(), workload.model.config.n_head)  # whole tp groups, whole heads
     # A grid of dp x tp ranks, named; a tp group is tp consecutive ranks (the GPUs of one node).
     mesh = init_device_mesh(device.type, (dist.get_world_size() // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     mesh_with_timeout(mesh, args.timeout)  # the groups it made give up after --timeout too
-    # bf16 compute and reduce-scatter, fp32 outputs for the loss; FSDP over dp only.
+    # bf16 compute; the gradients reduce-scattered in fp32 (a bf16 sum of many ranks' gradients loses their low bits);
+    # fp32 outputs for the loss; FSDP over dp only.
     bf16 = torch.bfloat16 if args.precision == "bf16" else None
-    fsdp = dict(mp_policy=MixedPrecisionPolicy(bf16, output_dtype=torch.float32), mesh=mesh["dp"])
-    for block in list(workload.model.children())[1:-1]:  # each transformer block, split before FSDP shards it
+    fsdp = dict(mp_policy=MixedPrecisionPolicy(bf16, reduce_dtype=torch.float32, output_dtype=torch.float32),
+                mesh=mesh["dp"])
+    # Each transformer block split over its tp group, before FSDP shards what each rank holds of it.
+    for block in list(workload.model.children())[1:-1]:
         parallelize_module(block, mesh["tp"], PLAN)
     train_data = prepare_dataloader(workload.train_set, args.batch_size, mesh["dp"])
     trainer = Trainer(workload.model, train_data, workload.make_optimizer, workload.loss_fn, device,
                       args.save_every, args.snapshot_path, fsdp, args.verbose)
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, group=mesh["dp"].get_group())
-    full_model = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Every weight gathered whole, in the order it was split: over dp (FSDP's shards), then over tp (the slices). In
+    # one go, torch would warn that it cannot merge the two all-gathers of a weight split twice along one dimension.
+    full_model = {name: value.redistribute(placements=[Replicate(), *value.placements[1:]]).full_tensor().cpu()
+                  if isinstance(value, DTensor) else value for name, value in trainer.model.state_dict().items()}
     if trainer.global_rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
-        full_path = os.path.join(os.path.dirname(args.snapshot_path), "model_full.pt")  # beside the snapshot
+        full_path = os.path.join(os.path.dirname(args.snapshot_path), "tp_model_full.pt")  # beside the snapshot
         torch.save(full_model, full_path)  # one plain state_dict: it loads without torch.distributed
         print(f"{trainer.tag} full model saved to {full_path}")
     dist.destroy_process_group()
@@ -175,7 +192,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per dp rank")
     parser.add_argument("--workload", default="gpt", choices=[w for w in WORKLOADS if w.startswith("gpt")])
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
-    parser.add_argument("--snapshot_path", default="snapshot", type=writable_path, help="Sharded snapshot folder")
+    parser.add_argument("--snapshot_path", default="tp_snapshot", type=writable_path, help="Sharded snapshot folder")
     parser.add_argument("--tp", default=2, type=positive_int, help="Ranks that split each block (tensor parallel)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="Compute dtype")
     parser.add_argument("--verbose", action="store_true", help="Print every rank's memory at each epoch")

@@ -33,6 +33,15 @@ def descendant_pids(pid):
     return found
 
 
+def alive(pid):
+    """Whether the process `pid` still runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
 def process_env(pid):
     """The environment a process was started with, as a dict ({} once it is gone)."""
     try:

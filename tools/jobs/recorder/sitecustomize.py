@@ -8,7 +8,8 @@ changed; without the variables nothing happens.
   - samples.jsonl: a JSON line per completed pass over a DataLoader: the process, its rank, torchrun's restart
     count, the sampler's class and epoch (its set_epoch value), the pass's number in this process, whether the model
     was wrapped in DDP, `mesh` (this rank's coordinates in the named DeviceMesh init_device_mesh made, e.g.
-    {"dp": 1, "tp": 0}; None without one), and the sample indices in the order the process trained on them.
+    {"dp": 1, "tp": 0}; None without one), `node` (torchrun's GROUP_RANK: which node the process runs on), and the
+    sample indices in the order the process trained on them.
     Overlapping shards, a shuffle that never changes, a resume that repeats an epoch: all show in it. (A BatchSampler
     is what every DataLoader with a batch size iterates over, so patching its __iter__ sees every batch of every
     step.)
@@ -24,6 +25,14 @@ changed; without the variables nothing happens.
     of the losses this rank called backward() on, weighted by batch size (what an all-reduce averages over ranks);
     `began` and `ended` (time.time()); `bypass`, the first stack (see saves.jsonl) that called the model inside
     DistributedDataParallel directly during the pass, so no gradient was averaged (None: it never happened).
+    What decides dropout's masks, the pass's draws: `draws`, {"dropout": ..., "attention": ...}, a digest of the state
+    the default generator of the input's device was in at every call of F.dropout and of the attention's
+    F.scaled_dot_product_attention that dropped something (in order; None: no such call). Two ranks with equal
+    digests drew the same masks for tensors of the same shapes; with different ones, other masks.
+    For a model of DTensors (FSDP, tensor parallelism): `whole_along_tp`, a digest of the local parts of the parameters
+    this rank holds whole along the mesh dimension "tp" (every parameter not split over tp, FSDP's shards over dp
+    included), at the pass's end: the ranks of a tp group hold the same ones, and must keep them equal. And
+    `reduce_scatter_dtypes`, the dtypes of the gradients reduce-scattered during the pass (FSDP's), sorted.
   - saves.jsonl: a JSON line per torch.save to a file: pid, rank, restart, path, `began` and `ended`, and `stack`,
     the calling frames outside the Python and torch installation ([file, line, function], outermost first).
   - begins.jsonl: a JSON line as each save to a file and each pass begins (`what`: "save" or "pass"; pid, rank,
@@ -120,7 +129,8 @@ if RECORD_DIR or KILL_AT:
     _wrapped = [False]  # did this process build a DistributedDataParallel?
     _ddp_init, _batches = DistributedDataParallel.__init__, BatchSampler.__iter__
     # What the pass under way has seen: its batch's size, the losses backward() was called on, a bypass of DDP
-    _now = dict(in_pass=False, in_ddp=0, batch=0, loss=0.0, samples=0, bypass=None, rank=None, mesh=None)
+    _now = dict(in_pass=False, in_ddp=0, batch=0, loss=0.0, samples=0, bypass=None, rank=None, mesh=None, draws={},
+                reduce_scatter_dtypes=set())
     _models, _optimizers = [], []  # weak references: the DDP-wrapped models and the optimizers this process built
 
     def _noting_ddp_init(self, *args, **kwargs):
@@ -161,6 +171,21 @@ if RECORD_DIR or KILL_AT:
                      for key in sorted(state) for _, value in sorted(state[key].items())
                      if isinstance(value, (torch.Tensor, int, float)))
 
+    def _whole_along_tp_hash():
+        """The local parts of the DTensor parameters of every optimizer alive that are not split over a mesh dimension
+        named "tp", hashed in a fixed order; None when there are none."""
+        from torch.distributed.tensor import DTensor
+
+        whole = []
+        for optimizer in (ref() for ref in _optimizers):
+            for param in (p for group in (optimizer.param_groups if optimizer else []) for p in group["params"]):
+                if not isinstance(param, DTensor):
+                    continue
+                names = param.device_mesh.mesh_dim_names or ()
+                if "tp" not in names or not param.placements[names.index("tp")].is_shard():
+                    whole.append(param.to_local())
+        return _hash(whole) if whole else None
+
     def _recording_batches(self):
         epoch, number = getattr(self.sampler, "epoch", None), _passes[0]
         _passes[0] += 1
@@ -172,7 +197,7 @@ if RECORD_DIR or KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
         if RECORD_DIR:
             before = dict(began=time.time(), params_before=_parameters_hash(), optimizer_before=_optimizer_hash())
-            _now.update(in_pass=True, loss=0.0, samples=0, bypass=None)
+            _now.update(in_pass=True, loss=0.0, samples=0, bypass=None, draws={}, reduce_scatter_dtypes=set())
         indices = []
         try:
             for batch in _batches(self):
@@ -185,9 +210,12 @@ if RECORD_DIR or KILL_AT:
             _now["rank"] = _rank()
             _append("samples.jsonl", json.dumps(dict(
                 pid=os.getpid(), rank=_rank(), restart=restart, sampler=type(self.sampler).__name__, epoch=epoch,
-                number=number, ddp=_wrapped[0], mesh=_now["mesh"], indices=indices, **before, ended=time.time(),
-                params=_parameters_hash(), optimizer=_optimizer_hash(),
-                loss=_now["loss"] / _now["samples"] if _now["samples"] else None, bypass=_now["bypass"])))
+                number=number, ddp=_wrapped[0], mesh=_now["mesh"], node=int(os.environ.get("GROUP_RANK", 0)),
+                indices=indices, **before, ended=time.time(), params=_parameters_hash(), optimizer=_optimizer_hash(),
+                loss=_now["loss"] / _now["samples"] if _now["samples"] else None, bypass=_now["bypass"],
+                draws={kind: digest.hexdigest()[:16] for kind, digest in _now["draws"].items()},
+                whole_along_tp=_whole_along_tp_hash(),
+                reduce_scatter_dtypes=sorted(_now["reduce_scatter_dtypes"]))))
 
     DistributedDataParallel.__init__ = _noting_ddp_init
 
@@ -244,6 +272,41 @@ if RECORD_DIR or KILL_AT:
             _noting_exit(code)
             _exit(code)
 
+        def _note_draw(kind, tensor):
+            """Add the state of the default generator of `tensor`'s device, which the call about to run draws its mask
+            from, to the pass's digest of `kind` (not while torch.compile traces: no state is read then)."""
+            import hashlib
+
+            if not _now["in_pass"] or torch.compiler.is_compiling():
+                return
+            state = torch.cuda.get_rng_state(tensor.device) if tensor.is_cuda else torch.get_rng_state()
+            _now["draws"].setdefault(kind, hashlib.sha1()).update(state.numpy().tobytes())
+
+        _dropout, _attention = torch.nn.functional.dropout, torch.nn.functional.scaled_dot_product_attention
+
+        def _noting_dropout(input, p=0.5, training=True, inplace=False):
+            if training and p > 0:
+                _note_draw("dropout", input)
+            return _dropout(input, p, training, inplace)
+
+        def _noting_attention(query, *args, **kwargs):
+            if kwargs.get("dropout_p", args[3] if len(args) > 3 else 0.0) > 0:
+                _note_draw("attention", query)
+            return _attention(query, *args, **kwargs)
+
+        def _noting_reduce_scatter(reduce_scatter):
+            def noting(*args, **kwargs):
+                if _now["in_pass"]:
+                    tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
+                    _now["reduce_scatter_dtypes"].add(str(getattr(tensor, "dtype", None)).replace("torch.", ""))
+                return reduce_scatter(*args, **kwargs)
+            return noting
+
+        for _name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # FSDP's, in torch 2.6 and 2.14
+            if hasattr(torch.distributed, _name):
+                setattr(torch.distributed, _name, _noting_reduce_scatter(getattr(torch.distributed, _name)))
+        torch.nn.functional.dropout = _noting_dropout
+        torch.nn.functional.scaled_dot_product_attention = _noting_attention
         DistributedDataParallel.forward = _noting_ddp_forward
         torch.optim.Optimizer.__init__ = _noting_optimizer_init
         torch.Tensor.backward = _noting_backward
