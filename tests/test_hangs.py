@@ -8,11 +8,12 @@ import pytest
 
 from tools.jobs import free_port, run, start, torchrun, torchrun_node
 from tools.jobs.processes import alive
+from utils.launch import known_cause
 
-pytestmark = pytest.mark.slow
 STARTUP = 60  # generous: starting torchrun and its workers takes 3 s here, 20 s on a loaded 2-core machine
 
 
+@pytest.mark.slow
 def test_a_node_that_never_arrives_ends_the_rendezvous_after_join_timeout(tmp_path):
     join_timeout = 4
     job = run(torchrun_node("multinode.py", 4, 2, endpoint=f"127.0.0.1:{free_port()}", run_id="lonely",
@@ -24,6 +25,7 @@ def test_a_node_that_never_arrives_ends_the_rendezvous_after_join_timeout(tmp_pa
     assert "epoch" not in job.output, "no training starts with half the nodes"
 
 
+@pytest.mark.slow
 def test_a_rank_that_skips_a_collective_makes_the_others_fail_within_the_timeout(tmp_path):
     timeout = 4
     # rank 1 skips the first epoch's loss all_reduce (call 2; call 1 is the resume check) and never comes back
@@ -40,6 +42,7 @@ def test_a_rank_that_skips_a_collective_makes_the_others_fail_within_the_timeout
     assert "epoch 0 |" not in job.output, "rank 0 must not report an epoch whose loss it could not reduce"
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_in_a_2d_job_makes_the_others_fail_within_the_timeout_of_the_meshs_groups(tmp_path):
     """tensor_parallel.py, dp 2 x tp 2: rank 1 skips its third all_reduce (epoch 0's loss, over its dp group of ranks 1
     and 3) and sleeps 120 s before it makes it. Its peers then wait in the groups init_device_mesh made for the
@@ -59,6 +62,7 @@ def test_a_rank_stuck_in_a_2d_job_makes_the_others_fail_within_the_timeout_of_th
     assert "epoch 2 |" not in job.output, "no rank trains on past a peer that never came"
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_in_a_pipeline_job_makes_the_others_fail_within_the_timeout_with_one_line_each(tmp_path):
     """pipeline_parallel.py, 2 pipelines of 2 stages (--pp 2 on 4 ranks): rank 1 (stage 0 of the second pipeline)
     skips its third all_reduce, its first clipping of the gradient norm along its pipeline, and sleeps 120 s. Its
@@ -87,3 +91,26 @@ def test_a_rank_stuck_in_a_pipeline_job_makes_the_others_fail_within_the_timeout
     assert lines and len(lines) == len(set(lines)) and "1" not in lines, job.output[-3000:]
     assert not re.search(r"^\[rank\d\]:.*Timed out waiting", job.output, re.M), "a timeout shown as a traceback"
     assert "epoch 0 |" not in job.output, "no rank trains on past a peer that never came"
+
+
+def test_a_timeout_is_told_in_one_line_wherever_it_was_raised_from_and_other_errors_are_not(monkeypatch):
+    """The errors a worker stops on with one line: gloo's timeout, also as the cause of the error pipelining raises
+    around it; torch 2.6's FSDP on CPU processes. Any other error keeps its traceback (None)."""
+    monkeypatch.setenv("RANK", "3")
+    timeout = RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation "
+                           "to complete")
+    try:
+        try:
+            raise timeout
+        except RuntimeError as error:
+            raise RuntimeError("\nFailed to run stage backward:\n...") from error
+    except RuntimeError as wrapped:
+        outer = wrapped
+    expected = ("error: rank 3: a collective gave up after --timeout 5 s (Timed out waiting 5000ms for recv operation "
+                "to complete): a rank is stuck or gone; the last snapshot is kept, and the same command resumes from it")
+    assert known_cause(timeout, 5) == known_cause(outer, 5) == expected
+    fsdp = AttributeError("'Stream' object has no attribute 'record_event'")
+    assert known_cause(fsdp, 5).startswith("error: rank 3: FSDP (fully_shard) of torch ") and \
+        known_cause(fsdp, 5).endswith("runs on GPUs only ('Stream' object has no attribute 'record_event'): on CPU "
+                                      "processes it needs torch 2.7 or newer")
+    assert known_cause(RuntimeError("Connection closed by peer"), 5) is None and known_cause(ValueError("x"), 5) is None

@@ -16,6 +16,7 @@ import re
 import runpy
 import shutil
 import sys
+from argparse import Namespace
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ from utils import evaluate, make_workload
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
 from utils.loop import WarmupCosine
 from utils.metrics import RUN_DIR_VARIABLE
-from utils.pipeline import require_a_batch
+from utils.pipeline import require_a_batch, require_pipeline_fits
 
 TEXT_CHARS = 4600  # 90% to train on: 64 sequences of 64 (+1) characters; 7 held out
 B, EPOCHS, STEPS = 8, 2, 8  # sequences per batch (all pipelines together), epochs, optimizer steps an epoch
@@ -374,6 +375,22 @@ def test_a_pipeline_that_cannot_be_built_stops_with_one_line_before_the_process_
     monkeypatch.chdir(tmp_path)
     assert str(run_main(monkeypatch, world_size, *args)) == message
     assert list(tmp_path.iterdir()) == [], "nothing may be written"
+
+
+@pytest.mark.parametrize("version", ["2.6.0+cu124", "2.7.1"])
+def test_1f1b_on_cpu_processes_is_refused_where_torchs_pipelining_hangs_on_gloo(monkeypatch, tmp_path, version):
+    """torch 2.6 and 2.7 wait for one of the works gloo's batch_isend_irecv returns: 1F1B hangs there (run with 2.6.0
+    and 2.7.1; 2.8.0 trains). One line instead, before the process group; GPipe, one operation at a time, runs."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch, "__version__", version)
+    assert str(run_main(monkeypatch, 2, "--workload", "gpt-cpu")) == (
+        f"error: --schedule 1f1b hangs on CPU processes (gloo) with torch {version}, whose pipelining waits for one of "
+        "a step's sends and receives and drops the others (fixed in torch 2.8): use --schedule gpipe, or torch 2.8 or "
+        "newer")
+    options = Namespace(pp=2, workload="gpt-cpu", microbatches=4, batch_size=8, schedule="gpipe")
+    require_pipeline_fits(options, 2)
+    monkeypatch.setattr(torch, "__version__", "2.8.0")
+    require_pipeline_fits(Namespace(**dict(vars(options), schedule="1f1b")), 2)
 
 
 @pytest.mark.parametrize("args, words", [(["--microbatches", 0], "argument --microbatches: must be at least 1, got 0"),

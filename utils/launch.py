@@ -14,6 +14,7 @@ import time
 import uuid
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from utils.helpers import UNFINISHED, remove
@@ -64,25 +65,39 @@ def _stop_on_ctrl_c(signum, _frame):
     os._exit(130)
 
 
-def _one_line_on_timeout(timeout_s, shown):
-    """A torchrun worker's sys.excepthook: a collective that gave up waiting for a peer (gloo's "Timed out waiting
-    60000ms for recv operation to complete", from any of the job's process groups) ends the worker with one line that
-    says what happened and what to do, instead of a traceback of dozens; any other error is shown as `shown` shows it.
-    init_process_group wraps the hook it finds (it prefixes every line with the rank, writing them to a buffer first),
-    so the line goes straight to the process's stderr."""
+def known_cause(error, timeout_s):
+    """The one line a torchrun worker stops with for an error whose cause is known (None for any other), found in
+    `error` or the errors it was raised from (torch.distributed.pipelining re-raises a failed send as the cause of its
+    own error):
+    - a collective that gave up waiting for a peer: gloo's "Timed out waiting 60000ms for recv operation to complete",
+      from any of the job's process groups;
+    - FSDP (fully_shard) on CPU processes with torch 2.6, whose FSDP runs on CUDA streams only: "'Stream' object has
+      no attribute 'record_event'" at the first forward."""
+    while error is not None:
+        waited = re.search(r"Timed out waiting \d+ms[^\n]*", str(error)) if isinstance(error, RuntimeError) else None
+        if waited:
+            return (f"error: rank {os.environ.get('RANK')}: a collective gave up after --timeout {timeout_s} s "
+                    f"({waited[0].rstrip('. ')}): a rank is stuck or gone; the last snapshot is kept, and the same "
+                    "command resumes from it")
+        if isinstance(error, AttributeError) and "'Stream' object has no attribute 'record_event'" in str(error):
+            return (f"error: rank {os.environ.get('RANK')}: FSDP (fully_shard) of torch {torch.__version__} runs on "
+                    f"GPUs only ({error}): on CPU processes it needs torch 2.7 or newer")
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _one_line_for_known_causes(timeout_s, shown):
+    """A torchrun worker's sys.excepthook: an error whose cause is known (known_cause) ends the worker with one line
+    that says what happened and what to do, instead of a traceback of dozens; any other error is shown as `shown`
+    shows it. init_process_group wraps the hook it finds (it prefixes every line with the rank, writing them to a
+    buffer first), so the line goes straight to the process's stderr."""
     def hook(kind, error, traceback):
-        cause, waited = error, None
-        while cause is not None and waited is None:  # torch.distributed.pipelining re-raises it as the cause of its own
-            if isinstance(cause, RuntimeError):
-                waited = re.search(r"Timed out waiting \d+ms[^\n]*", str(cause))
-            cause = cause.__cause__ or cause.__context__
-        if waited is None:
+        line = known_cause(error, timeout_s)
+        if line is None:
             return shown(kind, error, traceback)
         with contextlib.suppress(Exception):
             sys.stdout.flush()
-        os.write(2, f"error: rank {os.environ.get('RANK')}: a collective gave up after --timeout {timeout_s} s "
-                    f"({waited[0].rstrip('. ')}): a rank is stuck or gone; the last snapshot is kept, and the same "
-                    "command resumes from it\n".encode())
+        os.write(2, f"{line}\n".encode())
         os._exit(1)
 
     return hook
@@ -103,12 +118,12 @@ def attempt_store(timeout_s):
 
     It also bounds this worker's life: if the process group has not formed within timeout_s it stops with one line
     (gloo's own connect can wait 5 x the timeout), and if torchrun is gone it stops with one line instead of
-    training on alone, writing the snapshot a new job reads. A collective that gave up waiting for a peer, and Ctrl-C,
-    stop it with one line, not a traceback.
+    training on alone, writing the snapshot a new job reads. Ctrl-C, and an error whose cause is known (a collective
+    that gave up waiting for a peer, above all), stop it with one line, not a traceback.
     """
     threading.Thread(target=_watch, args=(timeout_s, os.getppid()), daemon=True).start()
     signal.signal(signal.SIGINT, _stop_on_ctrl_c)
-    sys.excepthook = _one_line_on_timeout(timeout_s, sys.excepthook)
+    sys.excepthook = _one_line_for_known_causes(timeout_s, sys.excepthook)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     deadline = time.monotonic() + timeout_s

@@ -9,6 +9,7 @@ the schedule and the micro-batches stay in the step).
 """
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 from utils.gpt import GPT, size_of, unwrap
 
@@ -30,6 +31,13 @@ def require_pipeline_fits(args, world_size):
     if args.schedule == "1f1b" and M < stages:
         raise SystemExit(f"error: --schedule 1f1b needs a micro-batch per stage at least ({stages}), got "
                          f"--microbatches {M}: raise it, or use --schedule gpipe")
+    # Before 2.8 the schedules wait for one of the works that gloo's batch_isend_irecv returns and drop the others
+    # (pytorch#132644): 1F1B's fused sends and receives then hang on CPU processes, with no timeout.
+    gloo_before_2_8 = not torch.cuda.is_available() and TorchVersion(torch.__version__) < (2, 8)
+    if args.schedule == "1f1b" and stages > 1 and gloo_before_2_8:
+        raise SystemExit(f"error: --schedule 1f1b hangs on CPU processes (gloo) with torch {torch.__version__}, whose "
+                         "pipelining waits for one of a step's sends and receives and drops the others (fixed in "
+                         "torch 2.8): use --schedule gpipe, or torch 2.8 or newer")
 
 
 def require_a_batch(train_data):
