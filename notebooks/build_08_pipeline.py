@@ -96,14 +96,31 @@ over the micro-batches a stage holds at once: GPipe's peak is the whole batch's,
     new_markdown_cell("""## The same model, whatever the schedule
 
 GPipe and 1F1B run the same micro-batches and add up their gradients in the same order: only when each pass runs
-differs, so they end with the same weights, bit for bit (each stage saved its own file), and print the same losses."""),
+differs, so they end with the same weights, bit for bit, and print the same losses. Each job saved one sharded
+snapshot of the whole model (`pp_snapshot/`), every rank writing its stage's layers under the GPT's own names: a
+snapshot of the model, not of the cut, which a job with another `--pp` loads too."""),
     new_code_cell("""# NBVAL_CHECK_OUTPUT
-import torch
+import tempfile
 
-for name in ("pp_snapshot.stage0.pt", "pp_snapshot.stage1.pt"):
-    a, b = (torch.load(jobs[schedule].cwd / name, weights_only=True)["MODEL_STATE"] for schedule in ("1f1b", "gpipe"))
-    layers = sorted({key.split(".")[0] for key in a if key != "_extra_state"})
-    print(f"{name}: {layers}, equal: {all(torch.equal(a[k], b[k]) for k in a if k != '_extra_state')}")
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+
+def whole(job):  # the snapshot's weights, every rank's part put together (no process group needed)
+    with tempfile.TemporaryDirectory() as folder:
+        dcp_to_torch_save(job.cwd / "pp_snapshot", f"{folder}/whole.pt")
+        return torch.load(f"{folder}/whole.pt", weights_only=False)["MODEL_STATE"]
+
+
+layers = {}  # which file of the snapshot holds which layer's weights: the rank that holds the stage wrote them
+for index, place in FileSystemReader(jobs["1f1b"].cwd / "pp_snapshot").read_metadata().storage_data.items():
+    if index.fqn.startswith("MODEL_STATE.") and not index.fqn.startswith("MODEL_STATE._extra_state"):
+        layers.setdefault(place.relative_path, set()).add(index.fqn.split(".")[1])
+for file, names in sorted(layers.items()):
+    print(f"pp_snapshot/{file}: {sorted(names)}")
+a, b = whole(jobs["1f1b"]), whole(jobs["gpipe"])
+print("the same weights:", all(torch.equal(a[k], b[k]) for k in a if k != "_extra_state"))
 print("the same losses:", output.epoch_losses(jobs["1f1b"].output) == output.epoch_losses(jobs["gpipe"].output))"""),
 ]
 
