@@ -126,6 +126,24 @@ def test_the_line_for_an_unreadable_snapshot_says_what_is_wrong_not_to_load_it_u
         assert "weights_only" not in line, line
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP notes that it runs in one process
+def test_a_sharded_snapshot_of_another_model_is_told_by_what_it_lacks_or_holds_in_another_shape(tmp_path):
+    """DCP refuses a load whose keys or shapes the snapshot does not have with its own words ("Missing key in
+    checkpoint state_dict", "Size mismatch between saved ..."); the steps' line says what that means. In one process,
+    without a process group, as DCP allows."""
+    import torch.distributed.checkpoint as dcp
+
+    from utils.helpers import reason
+
+    dcp.save({"MODEL_STATE": {"w": torch.zeros(2)}}, checkpoint_id=tmp_path)
+    for template, said in (({"v": torch.zeros(2)}, "it has no MODEL_STATE.v"),
+                           ({"w": torch.zeros(3)}, "its MODEL_STATE.w has another shape")):
+        with pytest.raises(BaseException) as error:  # DCP's CheckpointException is a BaseException
+            dcp.load({"MODEL_STATE": template}, checkpoint_id=tmp_path)
+        assert reason(error.value).endswith(f"Error: it holds another model than this run's: {said}"), \
+            reason(error.value)
+
+
 @pytest.mark.parametrize("write_snapshot", [write_garbage, write_other_models_snapshot, write_single_device_checkpoint,
                                             write_empty],
                          ids=["garbage bytes", "another model", "single-device checkpoint", "empty file"])

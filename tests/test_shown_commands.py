@@ -4,8 +4,8 @@ heads, the pipeline's stages and the GPT's blocks, a GPU per process...) pass wi
 
 A command with `--nproc_per_node=gpu` runs on nodes of 8 GPUs, the usual server (the GPU size of the GPT: 8 heads,
 6 blocks); any other runs on CPU processes (the CPU size: 4 heads, 2 blocks). Each is run in this process, as rank 0
-of its job, up to the moment it would start working (the process group, mp.spawn, or the workload): nothing is
-trained, no process is started. The generated diff blocks are left out (their commands are the scripts' docstrings,
+of its job, up to the moment it would start working (its process group's store, mp.spawn, or the workload): nothing
+is trained, no process is started. The generated diff blocks are left out (their commands are the scripts' docstrings,
 checked as such)."""
 import ast
 import re
@@ -90,13 +90,17 @@ def run_until_it_starts(monkeypatch, tmp_path, command):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: per_node if gpus else 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(torch.distributed, "init_process_group", accept)
+    # Where the steps start their work: torchrun's steps at attempt_store (the store of their process group, which
+    # would also start a watch that ends the process), step 2 at mp.spawn, step 1 at its workload.
+    monkeypatch.setattr(utils, "attempt_store", accept)
     monkeypatch.setattr(torch.multiprocessing, "spawn", accept)
     monkeypatch.setattr(utils, "make_workload", accept)
+    monkeypatch.setattr(utils, "stop_on_signals", lambda: None)  # its handlers would stay in this process
     monkeypatch.setattr(utils, "writable_path", str)  # a shown folder (runs/, /shared) need not exist here
     monkeypatch.setattr(utils.loop, "compiler_missing", lambda: None)  # --compile: a compiler is the machine's
-    for variable in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        monkeypatch.delenv(variable, raising=False)
+    for variable in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(variable, "")  # noted, so that what step 2 sets is undone after the test
+        monkeypatch.delenv(variable)
     if launcher == "torchrun":
         for variable, value in dict(LOCAL_RANK=0, RANK=0, WORLD_SIZE=per_node * nodes,
                                     LOCAL_WORLD_SIZE=per_node).items():

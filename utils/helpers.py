@@ -120,7 +120,7 @@ def reason(error):
     elif message.startswith("Error(s) in loading state_dict for") and len(lines) > 1:
         message = f"it holds another model than this {message.split()[-1].rstrip(':')}: " + _state_dict_mismatch(lines[1:])
     elif message.startswith("Missing key in checkpoint state_dict: "):  # a sharded snapshot (DCP) lacks one
-        message = f"it holds another model than this run's: it has no {message.split(': ', 1)[1]}"
+        message = f"it holds another model than this run's: it has no {message.split(': ', 1)[1].rstrip('.')}"
     elif message.startswith("Size mismatch between saved"):
         message = f"it holds another model than this run's: its {message.rsplit(' for ', 1)[-1]} has another shape"
     if isinstance(error, OSError) and error.strerror:
