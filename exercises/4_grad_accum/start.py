@@ -145,7 +145,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 
 
 def main(args):
-    check_options(args)  # fp16 without CUDA, --compile without a compiler...: one line, before anything
+    check_options(args)  # an option that cannot run here: one line, before anything
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
