@@ -22,7 +22,7 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_same_arguments, require_same_start
-from utils import exists_on_any_rank, log_memory, require_written_by
+from utils import exists_on_any_rank, log_memory, require_torch_for_fsdp, require_written_by
 
 
 def ddp_setup(timeout_s):
@@ -129,6 +129,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 def main(args):
     if (args.bf16 or args.cpu_offload) and args.strategy != "fsdp":
         raise SystemExit("error: --bf16 and --cpu_offload are options of --strategy fsdp")
+    require_torch_for_fsdp(args.strategy == "fsdp")  # FSDP on CPU processes needs torch 2.9: else one line
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")

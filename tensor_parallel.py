@@ -23,7 +23,7 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_same_arguments, require_same_start
-from utils import exists_on_any_rank, log_memory, require_written_by
+from utils import exists_on_any_rank, log_memory, require_torch_for_fsdp, require_written_by
 from utils import SEED, log_slices, mesh_with_timeout, require_tp_fits
 
 # Megatron-style: q, k, v and the MLP's first matrix split by rows (a rank computes n_head/tp heads), the matrices
@@ -148,6 +148,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, dp_mesh):
 def main(args):
     # Whole tp groups, and whole heads on every rank of one: else one line, before anything starts.
     require_tp_fits(args, int(os.environ["WORLD_SIZE"]))
+    require_torch_for_fsdp()  # FSDP on CPU processes needs torch 2.9: else one line
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")

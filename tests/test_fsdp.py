@@ -196,3 +196,35 @@ def test_evaluate_runs_the_same_forward_passes_on_every_rank_and_scores_each_sam
     sharded = torch.load(tmp_path / "metrics.pt")
     assert sharded["loss"] == pytest.approx(expected["loss"], rel=1e-5)
     assert sharded["accuracy"] == pytest.approx(expected["accuracy"])
+
+
+@pytest.mark.parametrize("version, wrong", [("2.6.0+cu124", "runs on CUDA streams only"),
+                                            ("2.7.1", "sums the gradients over the ranks instead of averaging them "
+                                                      "(gloo has no average)"),
+                                            ("2.8.0+cpu", "sums the gradients over the ranks instead of averaging them "
+                                                          "(gloo has no average)")])
+def test_fsdp_on_cpu_processes_is_refused_with_one_line_where_torch_trains_them_wrong(monkeypatch, tmp_path, version,
+                                                                                      wrong):
+    """Run with each release on 2 CPU processes against one process: 2.6's FSDP fails at its first forward, 2.7.1's
+    and 2.8.0's gradients are exactly twice one process's (gloo takes their ReduceOp.AVG for a sum), 2.9.1's on are
+    right. fsdp.py stops on those before the process group forms, with one line; --strategy ddp, which does not shard,
+    and a newer torch are let through."""
+    import runpy
+    import sys
+
+    from tools.jobs import script
+    from utils import require_torch_for_fsdp
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(sys, "argv", ["fsdp.py", "2", "1"])
+    for name, value in dict(LOCAL_RANK=0, RANK=0, LOCAL_WORLD_SIZE=2, WORLD_SIZE=2).items():
+        monkeypatch.setenv(name, str(value))
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(script("fsdp.py"), run_name="__main__")
+    assert str(stop.value) == (f"error: FSDP of torch {version} {wrong} on CPU processes: use torch 2.9 or newer "
+                               "there (on GPUs it is right from 2.6)")
+    assert list(tmp_path.iterdir()) == []
+    require_torch_for_fsdp(sharded=False)  # DDP
+    monkeypatch.setattr(torch, "__version__", "2.9.1")
+    require_torch_for_fsdp()

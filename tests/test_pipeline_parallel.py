@@ -393,6 +393,19 @@ def test_1f1b_on_cpu_processes_is_refused_where_torchs_pipelining_hangs_on_gloo(
     require_pipeline_fits(Namespace(**dict(vars(options), schedule="1f1b")), 2)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_torch_2_9s_pipelining_is_refused_on_cpu_processes_with_one_line(monkeypatch, tmp_path, schedule):
+    """2.9 opens each pipeline with a send of an int64 to a neighbour that receives a float32: gloo stops the job on it
+    (run with 2.9.1, both schedules; 2.8.0 and 2.10.0 train). One line instead, before the process group."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch, "__version__", "2.9.1")
+    assert str(run_main(monkeypatch, 2, "--workload", "gpt-cpu", "--schedule", schedule)) == (
+        "error: torch 2.9.1's pipelining opens each pipeline with a send of another size than its neighbour receives "
+        "(fixed in torch 2.10), which fails on CPU processes and across nodes: use torch 2.8, or 2.10 or newer")
+    monkeypatch.setattr(torch, "__version__", "2.10.0")
+    require_pipeline_fits(Namespace(pp=2, workload="gpt-cpu", microbatches=4, batch_size=8, schedule=schedule), 2)
+
+
 @pytest.mark.parametrize("args, words", [(["--microbatches", 0], "argument --microbatches: must be at least 1, got 0"),
                                          (["--workload", "synthetic"], "argument --workload: invalid choice"),
                                          (["--precision", "fp16"], "argument --precision: invalid choice")])

@@ -10,6 +10,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 from utils.gpt import size_of
 
@@ -287,6 +288,19 @@ def require_tp_fits(args, world_size):
         raise SystemExit(f"error: --tp {tp} must divide the number of processes ({world_size}) and of attention heads "
                          f"({heads}): the processes form groups of {tp}, and each group splits every block's heads "
                          "evenly")
+
+
+def require_torch_for_fsdp(sharded=True):
+    """Stop with one line, before any process group forms, where this torch's FSDP (fully_shard) does not train CPU
+    processes right: 2.6's runs on CUDA streams only (its first forward fails), and 2.7's and 2.8's reduce-scatter
+    the gradients with ReduceOp.AVG, which their gloo takes for a sum: the gradients come out N times the mean over N
+    ranks, silently (measured with 2.7.1 and 2.8.0, against one process; right from 2.9.1 on). On GPUs (NCCL) they
+    are right. `sharded`: whether the job shards at all (fsdp.py's --strategy ddp does not)."""
+    if sharded and not torch.cuda.is_available() and TorchVersion(torch.__version__) < (2, 9):
+        wrong = ("runs on CUDA streams only" if TorchVersion(torch.__version__) < (2, 7) else
+                 "sums the gradients over the ranks instead of averaging them (gloo has no average)")
+        raise SystemExit(f"error: FSDP of torch {torch.__version__} {wrong} on CPU processes: use torch 2.9 or newer "
+                         "there (on GPUs it is right from 2.6)")
 
 
 def require_written_by(step, path):

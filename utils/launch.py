@@ -14,7 +14,6 @@ import time
 import uuid
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from utils.helpers import UNFINISHED, remove
@@ -68,20 +67,14 @@ def _stop_on_ctrl_c(signum, _frame):
 def known_cause(error, timeout_s):
     """The one line a torchrun worker stops with for an error whose cause is known (None for any other), found in
     `error` or the errors it was raised from (torch.distributed.pipelining re-raises a failed send as the cause of its
-    own error):
-    - a collective that gave up waiting for a peer: gloo's "Timed out waiting 60000ms for recv operation to complete",
-      from any of the job's process groups;
-    - FSDP (fully_shard) on CPU processes with torch 2.6, whose FSDP runs on CUDA streams only: "'Stream' object has
-      no attribute 'record_event'" at the first forward."""
+    own error): a collective that gave up waiting for a peer, gloo's "Timed out waiting 60000ms for recv operation to
+    complete", from any of the job's process groups."""
     while error is not None:
         waited = re.search(r"Timed out waiting \d+ms[^\n]*", str(error)) if isinstance(error, RuntimeError) else None
         if waited:
             return (f"error: rank {os.environ.get('RANK')}: a collective gave up after --timeout {timeout_s} s "
                     f"({waited[0].rstrip('. ')}): a rank is stuck or gone; the last snapshot is kept, and the same "
                     "command resumes from it")
-        if isinstance(error, AttributeError) and "'Stream' object has no attribute 'record_event'" in str(error):
-            return (f"error: rank {os.environ.get('RANK')}: FSDP (fully_shard) of torch {torch.__version__} runs on "
-                    f"GPUs only ({error}): on CPU processes it needs torch 2.7 or newer")
         error = error.__cause__ or error.__context__
     return None
 

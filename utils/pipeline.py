@@ -7,6 +7,8 @@ the schedule and the micro-batches stay in the step).
     stage_io(model, micro_batch, stage, stages) what a stage receives and sends per micro-batch (their shapes)
     reassembled(stage)                          the whole GPT again, from every rank's stage
 """
+import os
+
 import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
@@ -31,13 +33,20 @@ def require_pipeline_fits(args, world_size):
     if args.schedule == "1f1b" and M < stages:
         raise SystemExit(f"error: --schedule 1f1b needs a micro-batch per stage at least ({stages}), got "
                          f"--microbatches {M}: raise it, or use --schedule gpipe")
+    version, gloo = TorchVersion(torch.__version__), not torch.cuda.is_available()
+    nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     # Before 2.8 the schedules wait for one of the works that gloo's batch_isend_irecv returns and drop the others
     # (pytorch#132644): 1F1B's fused sends and receives then hang on CPU processes, with no timeout.
-    gloo_before_2_8 = not torch.cuda.is_available() and TorchVersion(torch.__version__) < (2, 8)
-    if args.schedule == "1f1b" and stages > 1 and gloo_before_2_8:
+    if args.schedule == "1f1b" and stages > 1 and gloo and version < (2, 8):
         raise SystemExit(f"error: --schedule 1f1b hangs on CPU processes (gloo) with torch {torch.__version__}, whose "
                          "pipelining waits for one of a step's sends and receives and drops the others (fixed in "
                          "torch 2.8): use --schedule gpipe, or torch 2.8 or newer")
+    # 2.9 opens each pipeline with a send of an int64 to a neighbour that receives a float32 (pytorch#165143, fixed
+    # in 2.10): gloo stops on it ("Received data size doesn't match"), NCCL across nodes does what it happens to do.
+    if stages > 1 and (gloo or nodes > 1) and (2, 9) <= version < (2, 10):
+        raise SystemExit(f"error: torch {torch.__version__}'s pipelining opens each pipeline with a send of another "
+                         f"size than its neighbour receives (fixed in torch 2.10), which fails on CPU processes and "
+                         "across nodes: use torch 2.8, or 2.10 or newer")
 
 
 def require_a_batch(train_data):
