@@ -272,11 +272,10 @@ def test_gpt_heads_reports_the_last_held_out_loss_of_each_head_count(capsys):
 
 @pytest.mark.slow  # no process, but two GPU-size GPTs trained on the CPU: seconds
 def test_gpt_heads_trains_both_head_counts_from_the_same_weights_on_the_same_batches(monkeypatch, capsys):
-    printed = run_benchmark(monkeypatch, capsys, "gpt_heads.py", "--steps", 2, "--batch_size", 2, "--every", 1,
-                            "--eval", 2)
+    printed = run_benchmark(monkeypatch, capsys, "gpt_heads.py", "--steps", 1, "--batch_size", 1, "--eval", 1)
     first = dict(re.findall(r"^(\d) heads of \d+: step 1 \| training loss ([\d.]+)", printed, re.M))
     assert set(first) == {"6", "8"} and abs(float(first["6"]) - float(first["8"])) < 0.05, printed
-    assert re.search(r"held-out loss after 2 steps: 6 heads [\d.]+, 8 heads [\d.]+ \(8 minus 6: [-+][\d.]+\)",
+    assert re.search(r"held-out loss after 1 steps: 6 heads [\d.]+, 8 heads [\d.]+ \(8 minus 6: [-+][\d.]+\)",
                      printed), printed
 
 

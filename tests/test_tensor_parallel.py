@@ -1,7 +1,6 @@
 """Step 7, tensor_parallel.py: tensor parallelism (and 2D, FSDP x TP) trains what one process trains, up to float
 rounding; the ranks of a tp group take the same batches and the dp groups disjoint ones (recorded); each rank holds
-1/tp of every split matrix; a killed worker resumes under torchrun, and a snapshot resumes on another layout but not
-in another step; on two nodes, with dropout and bf16, tp stays inside a node, the tp group's copies of what it holds
+1/tp of every split matrix; a snapshot resumes on another layout but not in another step; on two nodes, with dropout and bf16, tp stays inside a node, the tp group's copies of what it holds
 whole stay equal, every rank draws its own masks where it should, and a killed worker resumes to the same end bit for
 bit; bad input stops with one line.
 
@@ -96,11 +95,10 @@ def two_d(tmp_path_factory, text):
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory, text):
-    """tp 2 on 2 ranks (TP alone), batch 8, 2 epochs; rank 1 SIGKILLs itself as it begins epoch 1 (after the
-    snapshot of epoch 0), torchrun restarts both workers, and they resume. Recorded."""
-    return job_in(tmp_path_factory.mktemp("killed"), EPOCHS, 1, "--tp", 2, "--batch_size", GLOBAL_BATCH, nproc=2,
-                  env=exact(text), record=True, kill_at=(0, 1, 1), launcher_args=["--max_restarts=1"])
+def tp_alone(tmp_path_factory, text):
+    """tp 2 on 2 ranks (TP alone), batch 8, 2 epochs. Recorded."""
+    return job_in(tmp_path_factory.mktemp("tp_alone"), EPOCHS, 1, "--tp", 2, "--batch_size", GLOBAL_BATCH, nproc=2,
+                  env=exact(text), record=True)
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +151,10 @@ def test_dp2_x_tp2_on_4_ranks_trains_what_one_process_does_with_twice_the_batch(
 
 
 @pytest.mark.slow
-def test_tp2_alone_trains_what_one_process_does_and_a_killed_worker_resumes_under_torchrun(killed, reference):
+def test_tp2_alone_trains_what_one_process_does(tp_alone, reference):
     losses, weights, _ = reference
-    assert killed.resumes == {1: 1}, killed.output  # restart 1 resumed from the snapshot of epoch 0
-    assert [(row["restart"], row["epoch"]) for row in killed.samples if row["rank"] == 0] == [(0, 0), (1, 1)]
-    assert recorded_losses(killed) == pytest.approx({e: losses[e] for e in range(EPOCHS)}, abs=LOSS_TOLERANCE)
-    assert_same_weights(final_weights(killed), weights[EPOCHS])
+    assert recorded_losses(tp_alone) == pytest.approx({e: losses[e] for e in range(EPOCHS)}, abs=LOSS_TOLERANCE)
+    assert_same_weights(final_weights(tp_alone), weights[EPOCHS])
 
 
 @pytest.mark.slow
@@ -347,8 +343,8 @@ def test_a_snapshot_names_the_step_that_saved_it_and_another_steps_is_refused(tm
 def on_two_nodes(folder, text, **options):
     """tensor_parallel.py on two torchrun nodes of 2 processes each, meeting on loopback, both in `folder` (as on a
     shared file system): --tp 2 (a tp group per node, FSDP across them), dropout 0.2, bf16, batches of 4 per dp rank,
-    3 epochs and a snapshot after each. Recorded."""
-    node = torchrun_node("tensor_parallel.py", 3, 1, "--workload", "gpt-cpu", "--tp", 2, "--batch_size", 4,
+    2 epochs and a snapshot after each. Recorded."""
+    node = torchrun_node("tensor_parallel.py", 2, 1, "--workload", "gpt-cpu", "--tp", 2, "--batch_size", 4,
                          "--precision", "bf16", nproc=2, endpoint=f"127.0.0.1:{free_port()}", run_id=folder.name,
                          launcher_args=["--max_restarts=1"])
     return run(node, node, cwd=folder, env={TEXT_VARIABLE: text, DROPOUT_VARIABLE: 0.2}, record=True, timeout=240,
@@ -357,8 +353,8 @@ def on_two_nodes(folder, text, **options):
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory, text):
-    """The job on two nodes, uninterrupted; and the same job with rank 3 SIGKILLed as it begins epoch 1: the
-    torchruns of both nodes start their workers again, and they resume from the snapshot of epoch 0."""
+    """The job on two nodes, uninterrupted; and the same job with rank 3 SIGKILLed as it begins epoch 1 (the second
+    and last): the torchruns of both nodes start their workers again, and they resume from the snapshot of epoch 0."""
     return (on_two_nodes(tmp_path_factory.mktemp("two_nodes"), text),
             on_two_nodes(tmp_path_factory.mktemp("two_nodes_killed"), text, kill_at=(0, 3, 1)))
 
@@ -376,7 +372,7 @@ def test_on_two_nodes_a_tp_group_is_a_node_and_with_dropout_its_copies_stay_equa
     layout = {row["rank"]: (row["node"], row["mesh"]["dp"], row["mesh"]["tp"]) for row in rows}
     assert {rank: (dp, tp) for rank, (_, dp, tp) in layout.items()} == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
     assert layout[0][0] == layout[1][0] != layout[2][0] == layout[3][0], layout
-    for epoch in range(3):
+    for epoch in range(2):
         by_rank = {row["rank"]: row for row in rows if row["epoch"] == epoch}
         dropout = {rank: row["draws"]["dropout"] for rank, row in by_rank.items()}
         assert dropout[0] == dropout[1] != dropout[2] == dropout[3], f"epoch {epoch}: {dropout}"
@@ -396,7 +392,7 @@ def test_on_two_nodes_with_dropout_and_bf16_it_learns_and_a_killed_worker_resume
     (seeded by the epoch and the rank's place in the mesh)."""
     whole, killed = two_nodes
     losses = whole.losses
-    assert sorted(losses) == [0, 1, 2] and losses[2] < losses[1] < losses[0], whole.output
+    assert sorted(losses) == [0, 1] and losses[1] < losses[0], whole.output
     assert killed.ok and any(row["restart"] == 1 for row in killed.samples), killed.output
     assert sorted(re.findall(r"\[rank (\d)/4[^\]]*\] resuming from epoch 1", killed.output)) == ["0", "1", "2", "3"]
     assert_bitwise_equal(sharded_snapshot(killed.cwd / "tp_snapshot"), sharded_snapshot(whole.cwd / "tp_snapshot"))
