@@ -173,7 +173,10 @@ if RECORD_DIR or KILL_AT:
 
     def _whole_along_tp_hash():
         """The local parts of the DTensor parameters of every optimizer alive that are not split over a mesh dimension
-        named "tp", hashed in a fixed order; None when there are none."""
+        named "tp", hashed in a fixed order; None when there are none (a job that never imported DTensor has none:
+        it is not imported for it)."""
+        if "torch.distributed.tensor" not in sys.modules:
+            return None
         from torch.distributed.tensor import DTensor
 
         whole = []
