@@ -143,9 +143,12 @@ class Embedding(nn.Module):
         self.token = nn.Embedding(config.vocab_size, config.n_embd)
         self.position = nn.Embedding(config.context, config.n_embd)
         self.dropout = nn.Dropout(config.dropout)
+        # The positions of the tokens it is given: 0..T-1, unless a step gives it a part of each sequence
+        # (context_parallel.py: each rank the positions of its chunks in the whole sequence).
+        self.positions = None
 
     def forward(self, ids):
-        positions = torch.arange(ids.shape[1], device=ids.device)  # 0..T-1; T <= context
+        positions = torch.arange(ids.shape[1], device=ids.device) if self.positions is None else self.positions
         return self.dropout(self.token(ids) + self.position(positions))
 
 
@@ -171,6 +174,9 @@ class CausalSelfAttention(nn.Module):
         # Where the dropout of the attention weights draws its masks: the default generator, unless a step gives the
         # attention a generator of its own (tensor_parallel.py: each rank its own heads' masks).
         self.generator = None
+        # What computes the attention of q, k and v instead of scaled_dot_product_attention, when a step gives it one
+        # (context_parallel.py: the keys and values exchanged with the ranks that hold the sequence's other parts).
+        self.attend = None
 
     def forward(self, x):
         B, T, _ = x.shape
@@ -179,9 +185,12 @@ class CausalSelfAttention(nn.Module):
         heads = q.shape[-1] // self.head_size
         q, k, v = (t.view(B, T, heads, self.head_size).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hs)
         # softmax(q k^T / sqrt(hs)) v with the causal mask, fused (flash attention on recent GPUs)
-        with contextlib.nullcontext() if self.generator is None else drawing_from(self.generator):
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.attention_dropout if self.training else 0.0)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if self.attend is not None:
+            y = self.attend(q, k, v, dropout_p)
+        else:
+            with contextlib.nullcontext() if self.generator is None else drawing_from(self.generator):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
         y = y.transpose(1, 2).reshape(B, T, heads * self.head_size)  # the heads side by side again
         return self.dropout(self.proj(y))
 
@@ -324,10 +333,11 @@ def make_optimizer(model, config):
                              lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 
-def gpt(seed, size=None, text=None, dropout=None):
+def gpt(seed, size=None, text=None, dropout=None, context=None):
     """The GPT workload. size: "cpu" or "gpu", by default "gpu" when CUDA is available; text: a UTF-8 file to learn
     (None: $TUTORIAL_GPT_TEXT's, else Python's help pages); dropout: instead of the size's (None:
-    $TUTORIAL_GPT_DROPOUT's if set)."""
+    $TUTORIAL_GPT_DROPOUT's if set); context: the tokens it sees at once, instead of the size's (a step's --context:
+    context_parallel.py's long sequences)."""
     size = size or ("gpu" if torch.cuda.is_available() else "cpu")
     if size not in SIZES:
         raise ValueError(f"unknown GPT size {size!r}; choose one of {', '.join(SIZES)}")
@@ -335,6 +345,8 @@ def gpt(seed, size=None, text=None, dropout=None):
     dropout = os.environ.get(DROPOUT_VARIABLE) if dropout is None else dropout
     if dropout is not None and dropout != "":
         config = dataclasses.replace(config, dropout=float(dropout))
+    if context:
+        config = dataclasses.replace(config, context=context)
     # The held-out tenth must hold at least 4 blocks.
     name, text = load_text(text, min_chars=10 * 4 * (config.context + 1))
     vocab = "".join(sorted(set(text)))
