@@ -1,24 +1,31 @@
-"""What each way of training the same GPT communicates per optimizer step: DDP, FSDP, TP and 2D (FSDP x TP), on the
-same ranks and the same global batch; and the tokens/s each reaches here, in the same run.
+"""What each way of training the same GPT communicates per optimizer step: DDP, FSDP, TP, 2D (FSDP x TP) and CP, on
+the same ranks and the same global batch; and the tokens/s each reaches here, in the same run.
 
     python benchmarks/communication.py                    # 4 CPU processes (gloo), the CPU-size GPT
     python benchmarks/communication.py --size gpu --steps 2   # the GPU size: nanoGPT's 10.8M weights (slow)
 
 The N processes (one CPU thread each) train the GPT the way the steps wrap it: DDP(model) (steps 2-4, 6); fully_shard
 on each block and the root (step 5, fsdp.py); tensor_parallel.py's PLAN on each block over a tp group of all N ranks,
-then fully_shard over the remaining dp dimension of one rank (--tp N); and the 2D layout dp 2 x tp N/2. Every layout
-takes the same global batch (--batch_size sequences per optimizer step: N/1, N/2 or 1 share of it per rank).
+then fully_shard over the remaining dp dimension of one rank (--tp N); the 2D layout dp 2 x tp N/2; and CP as
+context_parallel.py (step 9) trains it: DDP over all ranks, each sequence split over a cp group of all N ranks (rank r
+holds chunks r and 2N-1-r of 2N, utils.context.split_sequence), keys and values passed around the ring. Every layout
+takes the same global batch (--batch_size sequences per optimizer step: N/1, N/2 or 1 share of it per rank; a CP rank
+reads all of them and keeps its chunks' positions of each).
 
 Counts come from torch's own instrument, CommDebugMode (torch.distributed.tensor.debug): a dispatch mode that sees
 every collective a rank calls, c10d's (DDP's all-reduces, FSDP's all-gathers and reduce-scatters) and DTensor's
-functional ones (TP's all-reduces). Around it, each collective's buffer is weighed (the whole tensor: an all-gather's
-output, a reduce-scatter's input) and named by its process group (dp, tp, or all ranks). "Sent per rank" is what a
-ring algorithm sends for that buffer: 2(n-1)/n of it for an all-reduce, (n-1)/n for an all-gather or a reduce-scatter
-over n ranks; a collective over a group of one rank sends nothing. One step after two warm-up steps is counted; the
-forward and backward of the counted step are told apart. Timed steps: the best of --rounds rounds of --steps steps,
-the layouts taking turns round after round (other work only ever slows a turn down).
+functional ones (TP's all-reduces). It does not count point-to-point ops, which the ring's exchange is made of
+(batch_isend_irecv's isend and irecv): the same dispatch mode sees them as c10d's send and recv_ ops, and each send is
+noted here as one "send/recv" (a rank sends a block to the next rank as it receives one from the previous; the
+receive is its peer's send, counted there). Each collective's buffer is weighed (the whole tensor: an all-gather's
+output, a reduce-scatter's input, a send's block) and named by its process group (dp, tp, cp, or all ranks). "Sent per
+rank" is what a ring algorithm sends for that buffer: 2(n-1)/n of it for an all-reduce, (n-1)/n for an all-gather or
+a reduce-scatter over n ranks, all of it for a send; a group of one rank sends nothing. One step after two warm-up
+steps is counted; the forward and backward of the counted step are told apart. Timed steps: the best of --rounds
+rounds of --steps steps, the layouts taking turns round after round (other work only ever slows a turn down).
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -35,12 +42,13 @@ sys.path.insert(0, str(REPO))  # run as `python benchmarks/communication.py` fro
 from tools.jobs import free_port, machine_summary, spawned_result  # noqa: E402
 from utils import exit_without_teardown, positive_int  # noqa: E402
 
-LAYOUTS = ["DDP", "FSDP", "TP", "2D"]
+LAYOUTS = ["DDP", "FSDP", "TP", "2D", "CP"]
 KINDS = {"allreduce_": "all-reduce", "all_reduce": "all-reduce", "_allgather_base_": "all-gather",
          "allgather_into_tensor_coalesced_": "all-gather", "all_gather_into_tensor": "all-gather",
          "all_gather_into_tensor_coalesced": "all-gather", "_reduce_scatter_base_": "reduce-scatter",
          "reduce_scatter_tensor_coalesced_": "reduce-scatter", "reduce_scatter_tensor": "reduce-scatter",
-         "reduce_scatter_tensor_coalesced": "reduce-scatter", "broadcast_": "broadcast", "broadcast": "broadcast"}
+         "reduce_scatter_tensor_coalesced": "reduce-scatter", "broadcast_": "broadcast", "broadcast": "broadcast",
+         "send": "send/recv"}
 
 
 def group_name(arg):
@@ -58,8 +66,9 @@ def group_name(arg):
 
 
 def counting_mode(groups):
-    """A CommDebugMode that also notes, per collective, its kind, its process group (`groups`: group name -> ("dp",
-    "tp" or "all", its size in ranks)), its buffer's bytes and whether backward ran it."""
+    """A CommDebugMode that also notes, per collective and per point-to-point send, its kind, its process group
+    (`groups`: group name -> ("dp", "tp", "cp" or "all", its size in ranks)), its buffer's bytes and whether backward
+    ran it."""
     import torch
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.utils._pytree import tree_leaves
@@ -72,7 +81,8 @@ def counting_mode(groups):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             before = sum(self.comm_counts.values())
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            if sum(self.comm_counts.values()) > before:  # CommDebugMode counted a collective
+            # CommDebugMode counted a collective, or a point-to-point send went by, which it leaves uncounted.
+            if sum(self.comm_counts.values()) > before or func._overloadpacket is torch.ops.c10d.send:
                 name = next(name for name in map(group_name, tree_leaves(args)) if name in groups)
                 tensors = [leaf for leaf in tree_leaves((args, out)) if isinstance(leaf, torch.Tensor)]
                 label, size = groups[name]
@@ -87,7 +97,8 @@ def counting_mode(groups):
 
 def wrapped(layout, world_size, size, text_path):
     """The GPT of `size` ("cpu" or "gpu"; dropout 0) wrapped as `layout`: (its workload, the wrapped model, its
-    optimizer, {group name: (label, ranks)}, the number of dp ranks)."""
+    optimizer, {group name: (label, ranks)}, the number of dp ranks, and a context manager inside which the model
+    trains: CP's split of each sequence, which yields the positions this rank takes; else one that yields None)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -96,11 +107,20 @@ def wrapped(layout, world_size, size, text_path):
 
     from tensor_parallel import PLAN
     from utils import make_workload
+    from utils.context import split_sequence
 
     workload = make_workload(f"gpt-{size}", text=text_path, dropout=0)
     model, groups = workload.model, {dist.group.WORLD.group_name: ("all", world_size)}
     if layout == "DDP":
-        return workload, DDP(model), workload.optimizer, groups, world_size
+        return workload, DDP(model), workload.optimizer, groups, world_size, contextlib.nullcontext()
+    if layout == "CP":  # as context_parallel.py with dp 1: DDP over all ranks, the balanced split, the ring
+        # A group of its own over all ranks, where context_parallel.py's mesh would hand out the default group itself:
+        # the same ranks, but a name of its own, so that the table tells the ring's sends from DDP's all-reduce.
+        cp = dist.new_group(list(range(world_size)))
+        groups[cp.group_name] = ("cp", world_size)
+        chunks_by_rank = [[r, 2 * world_size - 1 - r] for r in range(world_size)]
+        model = DDP(model)
+        return workload, model, workload.optimizer, groups, 1, split_sequence(model, cp, chunks_by_rank, "ring")
     tp = {"FSDP": 1, "TP": world_size, "2D": world_size // 2}[layout]
     mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
     groups.update({mesh[dim].get_group().group_name: (dim, mesh[dim].size()) for dim in ("tp", "dp")})
@@ -108,7 +128,7 @@ def wrapped(layout, world_size, size, text_path):
         parallelize_module(block, mesh["tp"], PLAN)
     for module in [*model.children(), model]:
         fully_shard(module, mesh=mesh["dp"])
-    return workload, model, workload.make_optimizer(model), groups, world_size // tp
+    return workload, model, workload.make_optimizer(model), groups, world_size // tp, contextlib.nullcontext()
 
 
 def worker(rank, world_size, args, text_path, result_path):
@@ -120,12 +140,15 @@ def worker(rank, world_size, args, text_path, result_path):
     # one): no in-place operation follows, so nothing is lost.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout))
-    runs = {}
+    runs, splits = {}, contextlib.ExitStack()  # CP's model stays split until the timed rounds are over
     for layout in LAYOUTS:
-        workload, model, optimizer, groups, dp = wrapped(layout, world_size, args.size, text_path)
-        share = args.batch_size // dp  # sequences per rank; the ranks of a tp group take the same ones
+        workload, model, optimizer, groups, dp, split = wrapped(layout, world_size, args.size, text_path)
+        positions = splits.enter_context(split)
+        share = args.batch_size // dp  # sequences per rank; the ranks of a tp or cp group take the same ones
         start = (rank // (world_size // dp)) * share
         source, targets = (t[start:start + share] for t in workload.train_set[:args.batch_size])
+        if positions is not None:  # a cp rank keeps its chunks of each sequence
+            source, targets = source[:, positions], targets[:, positions]
 
         def step():
             workload.loss_fn(model(source), targets).backward()
@@ -146,6 +169,7 @@ def worker(rank, world_size, args, text_path, result_path):
             slowest = torch.tensor([time.perf_counter() - began])
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
             runs[layout]["seconds"].append(slowest.item())
+    splits.close()
     context = workload.train_set.tensors[0].shape[1]
     if rank == 0:
         Path(result_path).write_text(json.dumps({layout: dict(
@@ -157,8 +181,11 @@ def worker(rank, world_size, args, text_path, result_path):
 
 
 def sent_per_rank(collective):
-    """Bytes one rank sends for a collective with a ring algorithm (what NCCL and gloo use for large buffers)."""
+    """Bytes one rank sends for a collective with a ring algorithm (what NCCL and gloo use for large buffers); a
+    point-to-point send sends its whole buffer."""
     n = collective["ranks"]
+    if collective["kind"] == "send/recv":
+        return collective["bytes"] if n > 1 else 0.0
     share = (n - 1) / n if n > 1 else 0.0
     return collective["bytes"] * share * (2 if collective["kind"] == "all-reduce" else 1)
 
@@ -172,9 +199,9 @@ def summary(results, world_size):
             where = collective["group"] if collective["ranks"] > 1 else "alone"
             counts[(collective["kind"], where, collective["backward"])] += 1
             sent[where] += sent_per_rank(collective)
-        tp = world_size // result["dp"]
-        rows.append(dict(layout=layout, mesh=f"dp {result['dp']} x tp {tp}", counts=dict(counts),
-                         sent={where: value / 2**20 for where, value in sent.items()},
+        inner = "cp" if layout == "CP" else "tp"  # the mesh's other dimension: what shares a sequence or a matrix
+        rows.append(dict(layout=layout, mesh=f"dp {result['dp']} x {inner} {world_size // result['dp']}",
+                         counts=dict(counts), sent={where: value / 2**20 for where, value in sent.items()},
                          tokens_per_s=result["tokens_per_s"]))
     return rows
 
@@ -209,10 +236,11 @@ def main():
     args = parser.parse_args()
     from utils.gpt import SIZES, help_pages
 
-    heads = SIZES[args.size].n_head
-    if args.nproc % 2 or args.batch_size % args.nproc or heads % args.nproc:
+    heads, context = SIZES[args.size].n_head, SIZES[args.size].context
+    if args.nproc % 2 or args.batch_size % args.nproc or heads % args.nproc or context % (2 * args.nproc):
         sys.exit(f"error: --nproc must be even (2D is dp 2 x tp nproc/2) and divide --batch_size and the "
-                 f"{args.size}-size GPT's {heads} heads (TP alone splits them over all the processes)")
+                 f"{args.size}-size GPT's {heads} heads (TP alone splits them over all the processes), and 2 x "
+                 f"--nproc its context of {context} (CP cuts each sequence into 2 x nproc chunks)")
 
     print(f"{machine_summary()}; {args.nproc} processes, one thread each; the {args.size}-size GPT, "
           f"{args.batch_size} sequences per optimizer step")

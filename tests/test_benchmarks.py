@@ -2,9 +2,9 @@
 its goal, the plot), and a few benchmarks run end to end with tiny settings, to show that what they measure is what
 their reports read: torchrun jobs through tools/jobs with a worker killed (recovery.py and restarts.py, each its own
 way), and workers started by spawned_result (pipeline_bubble.py: the recorder's timings of the stages' passes;
-communication.py: CommDebugMode's counts), and process_cost.py on the two imports (the CPU time of finished
-processes, also proven on a command whose child burns a known amount). The figures themselves are the benchmarks'
-business, not the tests'."""
+communication.py: CommDebugMode's counts and the ring's sends; context_parallel.py: the attention's counted scores and
+its memory), and process_cost.py on the two imports (the CPU time of finished processes, also proven on a command
+whose child burns a known amount). The figures themselves are the benchmarks' business, not the tests'."""
 import importlib.util
 import os
 import re
@@ -143,8 +143,8 @@ def collective(kind, group, ranks, backward, mib):
 
 
 def test_communication_counts_collectives_by_kind_group_and_pass_and_weighs_what_a_ring_sends():
-    """A ring sends 2(n-1)/n of an all-reduce's buffer and (n-1)/n of an all-gather's or a reduce-scatter's; a group of
-    one rank sends nothing and is left out."""
+    """A ring sends 2(n-1)/n of an all-reduce's buffer and (n-1)/n of an all-gather's or a reduce-scatter's, a
+    point-to-point send all of its own; a group of one rank sends nothing and is left out."""
     communication = benchmark("communication")
     results = {
         "DDP": dict(dp=4, tokens_per_s=1234.0, collectives=[collective("all-reduce", "all", 4, True, 4)] * 2),
@@ -152,12 +152,17 @@ def test_communication_counts_collectives_by_kind_group_and_pass_and_weighs_what
         "2D": dict(dp=2, tokens_per_s=5678.0, collectives=[
             collective("reduce-scatter", "dp", 2, True, 2), collective("all-gather", "dp", 2, False, 1),
             collective("all-reduce", "tp", 2, False, 1), collective("all-gather", "dp", 2, False, 1)]),
+        "CP": dict(dp=1, tokens_per_s=4321.0, collectives=[collective("send/recv", "cp", 4, False, 0.5)] * 3 + [
+            collective("all-reduce", "all", 4, True, 4)] + [collective("send/recv", "cp", 4, True, 0.5)] * 7),
     }
     assert table_rows(communication.table(communication.summary(results, world_size=4))) == [
         "| DDP | dp 4 x tp 1 | 2 all-reduce over all (bwd) | 12.00 (all) | 1,234 |",
         "| TP | dp 1 x tp 4 | none | 0 | 99 |",
         "| 2D | dp 2 x tp 2 | 2 all-gather over dp (fwd), 1 all-reduce over tp (fwd), 1 reduce-scatter over dp (bwd) "
-        "| 2.00 (dp) + 1.00 (tp) | 5,678 |"]
+        "| 2.00 (dp) + 1.00 (tp) | 5,678 |",
+        # 10 sends of 0.5 MiB, each sent whole
+        "| CP | dp 1 x cp 4 | 3 send/recv over cp (fwd), 1 all-reduce over all (bwd), 7 send/recv over cp (bwd) "
+        "| 6.00 (all) + 5.00 (cp) | 4,321 |"]
 
 
 def passes(*spans):
@@ -330,14 +335,19 @@ def test_communication_counts_each_layouts_collectives_per_optimizer_step(tmp_pa
     """4 processes, the CPU-size GPT (2 blocks): TP all-reduces activations twice per block in the forward (after
     attention and after the MLP) and twice in the backward (at their inputs); FSDP gathers each of its 4 units
     (embedding, 2 blocks, head) before the forward and the backward and reduce-scatters them; DDP only all-reduces.
+    CP's ring of 4, in each block's attention: 3 sends of a block of keys and values in the forward (each rank's block
+    visits the 3 others), 3 again in the backward and 4 of their gradients (home after a whole turn), on top of DDP's
+    all-reduce. A block: K and V of 16 sequences x 4 heads x 16 positions x 16 dimensions in float32, 0.125 MiB;
+    20 of them are 2.50 MiB.
     A job of its own, not run_benchmark: notebooks/07_tensor_parallel.ipynb runs the same one, so in a test session
     it runs once (shared)."""
     text = run([PYTHON, script("benchmarks/communication.py"), "--steps", 1, "--rounds", 1, "--chars", 20000],
                cwd=tmp_path, timeout=300, shared=True).output
-    rows = {row[0]: row[1:] for row in re.findall(r"^\| (\w+) \| (dp \d x tp \d) \| (.+?) \| (.+?) \| ([\d,]+) \|$",
-                                                   text, re.M)}
-    assert list(rows) == ["DDP", "FSDP", "TP", "2D"], text
-    assert [mesh for mesh, *_ in rows.values()] == ["dp 4 x tp 1", "dp 4 x tp 1", "dp 1 x tp 4", "dp 2 x tp 2"]
+    rows = {row[0]: row[1:] for row in re.findall(
+        r"^\| (\w+) \| (dp \d x (?:tp|cp) \d) \| (.+?) \| (.+?) \| ([\d,]+) \|$", text, re.M)}
+    assert list(rows) == ["DDP", "FSDP", "TP", "2D", "CP"], text
+    assert [mesh for mesh, *_ in rows.values()] == ["dp 4 x tp 1", "dp 4 x tp 1", "dp 1 x tp 4", "dp 2 x tp 2",
+                                                    "dp 1 x cp 4"]
     assert re.fullmatch(r"\d all-reduce over all \(bwd\)", rows["DDP"][1]), rows["DDP"]
     fsdp = "4 all-gather over dp (fwd), 4 all-gather over dp (bwd), 4 reduce-scatter over dp (bwd)"
     tp = "4 all-reduce over tp (fwd), 4 all-reduce over tp (bwd)"
@@ -345,6 +355,65 @@ def test_communication_counts_each_layouts_collectives_per_optimizer_step(tmp_pa
     assert rows["2D"][1] == ("4 all-gather over dp (fwd), 4 all-reduce over tp (fwd), 4 all-gather over dp (bwd), "
                              "4 all-reduce over tp (bwd), 4 reduce-scatter over dp (bwd)"), text
     assert re.fullmatch(r"[\d.]+ \(dp\) \+ [\d.]+ \(tp\)", rows["2D"][2]), rows["2D"]
+    assert re.fullmatch(r"6 send/recv over cp \(fwd\), \d all-reduce over all \(bwd\), 14 send/recv over cp \(bwd\)",
+                        rows["CP"][1]), rows["CP"]
+    assert re.fullmatch(r"[\d.]+ \(all\) \+ 2\.50 \(cp\)", rows["CP"][2]), rows["CP"]
+
+
+def attention_rank(scores, ms, saved_mib, kv_mib, peak_mib):
+    return dict(scores=scores, cpu=ms / 1e3, saved=saved_mib * 2**20, kv=kv_mib * 2**20, peak=peak_mib * 2**20)
+
+
+def test_context_parallel_reports_each_ranks_share_and_the_last_ranks_against_the_first_at_the_largest_cp():
+    """Per rank its scores and CPU time, max/min over the ranks, the memory of the rank with the most; the imbalance
+    line reads the ring's rows of the largest cp only."""
+    context_parallel = benchmark("context_parallel")
+    rows = [dict(exchange="ring", split="balanced", cp=1, step=0.0504, ranks=[attention_rank(0.75, 50.0, 4, 2, 26)]),
+            dict(exchange="ring", split="contiguous", cp=2, step=0.06, ranks=[
+                attention_rank(0.25, 20.0, 2, 2, 9), attention_rank(0.5, 50.0, 2.5, 1, 23)]),
+            dict(exchange="all-gather", split="balanced", cp=2, step=0.03, ranks=[
+                attention_rank(0.5, 20.0, 5, 4, 7), attention_rank(0.5, 21.0, 5, 4, 7)])]
+    assert table_rows(context_parallel.table(rows)) == [
+        "| ring | balanced | 1 | 75.0% | 50.0 | 1.00 | 50.4 | 4.00 | 2.00 | 26.00 |",
+        "| ring | contiguous | 2 | 25.0% / 50.0% | 20.0 / 50.0 | 2.50 | 60.0 | 2.50 | 2.00 | 23.00 |",
+        "| all-gather | balanced | 2 | 50.0% / 50.0% | 20.0 / 21.0 | 1.05 | 30.0 | 5.00 | 4.00 | 7.00 |"]
+    assert context_parallel.imbalance(rows) == ("contiguous split at cp 2: the last rank computes 2.00x the first's "
+                                                "scores in 2.50x its CPU time")
+
+
+@pytest.mark.slow
+def test_context_parallel_counts_each_ranks_scores_and_the_memory_of_either_exchange(monkeypatch, capsys):
+    """4 spawned workers, 512 tokens, 4 heads of 64. By construction: the ring's chunk pairs (the balanced split gives
+    every rank 2cp+1 chunk pairs of (T/2cp)^2 scores, the contiguous one rank r r+1 pairs of (T/cp)^2), the all-gather's
+    (T/cp) x T rectangle; the ring saves T/cp of q, k, v and output, whatever the split; the all-gather saves the whole
+    K and V (1 MiB here) and holds them twice at once (gathered and reordered), where the ring holds a few blocks of
+    T/cp. Timing only loosely: the contiguous split's last rank, with 4x the first's scores, spends more CPU time."""
+    text = run_benchmark(monkeypatch, capsys, "context_parallel.py", "--context", 512, "--rounds", 3)
+    number = r"([\d.]+)"
+    rows = {(exchange, split, int(cp)): dict(scores=scores, cpu=[float(ms) for ms in times.split(" / ")],
+                                             **dict(zip(["ratio", "step", "saved", "kv", "peak"], map(float, rest))))
+            for exchange, split, cp, scores, times, *rest in re.findall(
+                rf"^\| (ring|all-gather) \| (balanced|contiguous) \| (\d) \| ([\d.%/ ]+) \| ([\d./ ]+) \| "
+                rf"{number} \| {number} \| {number} \| {number} \| {number} \|$", text, re.M)}
+    assert list(rows) == [(exchange, split, cp) for cp in (1, 2, 4) for exchange, split in
+                          [("ring", "balanced"), ("ring", "contiguous"), ("all-gather", "balanced")]], text
+    assert {key: row["scores"] for key, row in rows.items()} == {
+        ("ring", "balanced", 1): "75.0%", ("ring", "contiguous", 1): "100.0%", ("all-gather", "balanced", 1): "100.0%",
+        ("ring", "balanced", 2): "31.2% / 31.2%", ("ring", "contiguous", 2): "25.0% / 50.0%",
+        ("all-gather", "balanced", 2): "50.0% / 50.0%", ("ring", "balanced", 4): " / ".join(["14.1%"] * 4),
+        ("ring", "contiguous", 4): "6.2% / 12.5% / 18.8% / 25.0%", ("all-gather", "balanced", 4): " / ".join(
+            ["25.0%"] * 4)}, text
+    times = rows["ring", "contiguous", 4]["cpu"]
+    assert len(times) == 4 and times[-1] > times[0], text
+    for cp in (1, 2, 4):  # saved MiB: the ring's 4 x 0.5 / cp (and a log-sum-exp per query), the all-gather's more
+        ring, contiguous, gathered = (rows[exchange, split, cp]["saved"] for exchange, split in [
+            ("ring", "balanced"), ("ring", "contiguous"), ("all-gather", "balanced")])
+        assert ring == contiguous and ring == pytest.approx(2 / cp, abs=0.01) and gathered > 1.0, text
+    ring_kv, gathered_kv = rows["ring", "balanced", 4]["kv"], rows["all-gather", "balanced", 4]["kv"]
+    assert gathered_kv >= 2.0 and ring_kv <= 4 * 0.25 < gathered_kv, text  # the ring's blocks: 0.25 MiB each
+    assert re.search(r"^balanced split at cp 4: the last rank computes 1\.00x the first's scores in [\d.]+x its CPU "
+                     r"time; contiguous split at cp 4: the last rank computes 4\.00x the first's scores in [\d.]+x its "
+                     r"CPU time$", text, re.M), text
 
 
 def test_overhead_times_the_trainer_and_the_bare_loop_in_this_process(monkeypatch, capsys):

@@ -172,6 +172,17 @@ def test_the_demo_trains_the_gpt_in_two_pipeline_stages_saving_one_snapshot_of_t
     assert job.writes == [], "no torch.save: the snapshot is sharded"
 
 
+@pytest.mark.slow
+def test_the_demo_trains_the_gpt_with_each_sequence_split_over_two_ranks(demo_run):
+    """Step 9: a cp group of both ranks (one dp group), rank 0 alone writing the snapshot of the whole model."""
+    job = demo_run["jobs"]["context_parallel.py"]
+    assert job.ok and sorted(job.losses) == [0] and output.samples(job.output), job.output
+    assert job.writes == [(job.writes[0][0], 0, str(demo_run["run_dir"] / "cp_snapshot.pt"))], job.writes
+    assert {row["rank"]: row["mesh"] for row in job.samples if row["epoch"] == 0} == {
+        0: {"dp": 0, "cp": 0}, 1: {"dp": 0, "cp": 1}}
+    assert len({tuple(row["indices"]) for row in job.samples if row["epoch"] == 0}) == 1, "both read the same sequences"
+
+
 # --- what DDP's gradient averaging means ----------------------------------------------------------------------------
 
 def train_in_one_process(batch_size, epochs=EPOCHS):

@@ -88,7 +88,7 @@ REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sca
 
 
 def ring_attention(q, k, v, group, chunks_by_rank, n_chunks, dropout_p=0.0):
-    """Causal attention of this rank's queries, the keys and values passed around the ring of `group` (RingAttention)."""
+    """Causal attention of this rank's queries, the keys and values passed around the ring of `group`."""
     seed = int(torch.randint(2 ** 62, (1,))) if dropout_p else 0  # the masks, drawn again in backward
     return RingAttention.apply(q, k, v, group, chunks_by_rank, n_chunks, dropout_p, seed)
 
@@ -116,8 +116,11 @@ class RingAttention(torch.autograd.Function):
                     weights = torch.exp(scores - new_high[..., None])
                     rescale = torch.exp(high[..., qs] - new_high)
                     total[..., qs] = total[..., qs] * rescale + weights.sum(-1)
-                    out[..., qs, :] = out[..., qs, :] * rescale[..., None] + ring.dropped(weights, a, b) @ values[..., ks, :]
+                    out[..., qs, :] = (out[..., qs, :] * rescale[..., None]
+                                       + ring.dropped(weights, a, b) @ values[..., ks, :])
                     high[..., qs] = new_high
+                # The block just used is let go before the next exchange is posted: two blocks held at once, not three.
+                del key_values, keys, values
             out = out / total[..., None]
         ctx.save_for_backward(q, k, v, out, high + torch.log(total))  # the log-sum-exp of each query's scores
         ctx.ring = ring
@@ -135,12 +138,14 @@ class RingAttention(torch.autograd.Function):
             for held, key_values in ring.blocks(torch.stack([k, v])):
                 keys, values = key_values.float()
                 for a, qs, b, ks in ring.pairs(held):
-                    probabilities = torch.exp(ring.scores(q32[..., qs, :], keys[..., ks, :], a, b) - lse[..., qs, None])
+                    scores = ring.scores(q32[..., qs, :], keys[..., ks, :], a, b)
+                    probabilities = torch.exp(scores - lse[..., qs, None])
                     grads[1][..., ks, :] += ring.dropped(probabilities, a, b).transpose(-2, -1) @ grad_out[..., qs, :]
                     grad_p = ring.dropped(grad_out[..., qs, :] @ values[..., ks, :].transpose(-2, -1), a, b)
                     grad_scores = probabilities * (grad_p - delta[..., qs, None]) * ring.scale
                     grad_q[..., qs, :] += grad_scores @ keys[..., ks, :]
                     grads[0][..., ks, :] += grad_scores.transpose(-2, -1) @ q32[..., qs, :]
+                del key_values, keys, values
                 # To the next rank, whose next block this is: after cp steps each block's gradients are home, whole.
                 grads = ring.pass_on(grads)
         return grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None
@@ -181,8 +186,8 @@ class Ring:
         for step in range(self.size):
             requests, received = self._send_receive(key_values) if step < self.size - 1 else ([], None)
             yield held, key_values
-            for request in requests:
-                request.wait()
+            while requests:  # each request dropped once done, and with it the block it sent
+                requests.pop().wait()
             key_values, held = received, (held - 1) % self.size
 
     def pairs(self, held):
@@ -202,7 +207,7 @@ class Ring:
         return scores
 
     def dropped(self, weights, a, b):
-        """`weights` of the pair (a, b) with dropout: the same mask in forward and backward, drawn from seed and pair."""
+        """`weights` of the pair (a, b) with dropout: the same mask in forward and backward, drawn from the seed."""
         if not self.dropout_p:
             return weights
         generator = torch.Generator(weights.device).manual_seed(self.seed + a * 4096 + b)
@@ -218,5 +223,5 @@ def require_cp_fits(args, world_size):
         raise SystemExit(f"error: --cp {args.cp} must divide the number of processes ({world_size}): they form groups "
                          f"of {args.cp} that share each sequence")
     if context % (2 * args.cp):
-        raise SystemExit(f"error: the context ({context} tokens) must cut into 2 x --cp = {2 * args.cp} chunks of equal "
-                         f"length: give a --context that {2 * args.cp} divides")
+        raise SystemExit(f"error: the context ({context} tokens) must cut into 2 x --cp = {2 * args.cp} chunks of "
+                         f"equal length: give a --context that {2 * args.cp} divides")
