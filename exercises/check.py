@@ -5,6 +5,7 @@
     python exercises/check.py 3 my_nodes.py      # 3. two nodes: one writer, and every node resumes alike
     python exercises/check.py 4 my_accum.py      # 4. gradient accumulation with no_sync (the GPT of step 6)
     python exercises/check.py 5 my_2d.py         # 5. 2D parallelism: the data split over dp, not every rank
+    python exercises/check.py 6 my_cp.py         # 6. context parallelism: which chunks of a sequence a rank holds
 
 It prints what is missing or wrong, in the exercise's terms and with the line to change, and exits 0 only when
 everything is right. It judges what the processes did, not how the script is written: the samples each rank trained
@@ -32,9 +33,9 @@ from tools.jobs.output import epoch_losses, noise  # noqa: E402
 from utils import make_workload  # noqa: E402
 
 EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes", 4: "4_grad_accum",  # their folders in exercises/
-             5: "5_tensor_parallel"}
+             5: "5_tensor_parallel", 6: "6_context_parallel"}
 SOLUTIONS = {1: "multigpu.py", 2: "multigpu_torchrun.py", 3: "multinode.py", 4: "gpt.py",  # the steps that solve them
-             5: "tensor_parallel.py"}
+             5: "tensor_parallel.py", 6: "context_parallel.py"}
 WORLD_SIZE = 2
 COLLECTIVE_TIMEOUT_S = 60  # passed as --timeout: a stuck collective fails instead of hanging forever (slow starts pass)
 KILLED_EPOCH = 2  # exercise 2 kills rank 1 as it begins this epoch
@@ -665,7 +666,101 @@ def check_two_d(script, workdir, say):
     return problems or exit_problems(job, script)
 
 
-CHECKS = {1: check_ddp, 2: check_resume, 3: check_two_nodes, 4: check_grad_accum, 5: check_two_d}
+CP_NPROC, CP_CONTEXT, CP_BATCH, CP_EPOCHS = 2, 64, 8, 2  # processes (one cp group), tokens, sequences a step, epochs
+CP_TEXT_CHARS = 4600  # a short excerpt of the help pages: 64 training sequences, 8 optimizer steps an epoch
+BALANCE_TOLERANCE = 1.01  # the most one rank's attention scores may exceed another's
+
+
+def context_reference(text):
+    """{epoch: mean loss} of one process training the GPT (dropout 0, context CP_CONTEXT) on whole sequences as
+    context_parallel.py's loop does (AdamW, the warm-up + cosine per step, clipping at 1), over the samples in their
+    order: what the cp group computes together when it splits every sequence right."""
+    from torch.optim.lr_scheduler import LambdaLR
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from utils.loop import WarmupCosine
+
+    workload = make_workload("gpt-cpu", text=str(text), dropout=0, context=CP_CONTEXT)
+    sampler = DistributedSampler(workload.train_set, num_replicas=1, rank=0)
+    loader = DataLoader(workload.train_set, batch_size=CP_BATCH, sampler=sampler)
+    scheduler = LambdaLR(workload.optimizer, WarmupCosine(CP_EPOCHS * len(loader)))
+    losses = {}
+    for epoch in range(CP_EPOCHS):
+        sampler.set_epoch(epoch)
+        summed = 0.0
+        for source, targets in loader:
+            loss = workload.loss_fn(workload.model(source), targets)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(workload.model.parameters(), 1.0)
+            workload.optimizer.step()
+            scheduler.step()
+            workload.optimizer.zero_grad(set_to_none=True)
+            summed += loss.item()
+        losses[epoch] = summed / len(loader)
+    return losses
+
+
+def context_problems(samples, reference, context=CP_CONTEXT):
+    """A cp group's ranks must hold every position of a sequence once between them; each epoch's loss, averaged over
+    the ranks (each holds as many tokens), must be what one process computes on whole sequences; and the causal
+    attention's work must fall evenly on the ranks (the query-key scores each rank's ring computed)."""
+    if not samples:
+        return ["it never trained: no process iterated over a DataLoader"]
+    if any(row.get("context") is None for row in samples):
+        return ["no rank trained on a part of each sequence: train inside split_sequence(...) (utils/context.py), "
+                "which gives the model a rank's chunks, and feed it source[:, positions]"]
+    for (restart, number), rows in sorted(epochs_of(samples).items()):
+        epoch = f"epoch {number}" + (f" after restart {restart}" if restart else "")
+        held = {rank: row["context"]["positions"] for rank, row in sorted(rows.items())}
+        seen = [position for positions in held.values() for position in positions]
+        twice = sorted({position for position in seen if seen.count(position) > 1})
+        never = sorted(set(range(context)) - set(seen))
+        if twice or never:
+            what = (f"positions {twice[0]} to {twice[-1]} are held by more than one rank" if twice else
+                    f"positions {never[0]} to {never[-1]} by none")
+            return [f"in {epoch} the ranks' chunks do not cut the sequence of {context} tokens into parts: {what}. "
+                    "Every chunk of the 2 x cp must be held by exactly one rank of the cp group"]
+    for epoch, expected in reference.items():
+        own = [row["loss"] for row in samples if row["epoch"] == epoch and row.get("loss") is not None]
+        if own and abs(sum(own) / len(own) - expected) > LOSS_TOLERANCE:
+            return [f"epoch {epoch}'s loss, averaged over the ranks, is {sum(own) / len(own):.4f}, but one process "
+                    f"training on whole sequences computes {expected:.4f}: the ranks do not compute what the model "
+                    "computes"]
+    for (restart, number), rows in sorted(epochs_of(samples).items()):
+        scores = {rank: row["context"]["scores"] for rank, row in sorted(rows.items())}
+        most, least = max(scores, key=scores.get), min(scores, key=scores.get)
+        if not scores[least]:
+            return [f"rank {least}'s attention computed nothing by the ring in epoch {number}: the check runs "
+                    "--exchange ring, and each rank's queries must meet the keys of every chunk before theirs there"]
+        if scores[most] > BALANCE_TOLERANCE * scores[least]:
+            return [f"rank {most} computed {scores[most] / scores[least]:.2f} times the attention scores rank {least} "
+                    f"did in epoch {number} ({scores[most]:,} against {scores[least]:,} per head and sequence, "
+                    "forward and backward), and "
+                    "every rank waits for the slowest at each step: under the causal mask a query sees the keys "
+                    "before it, so the rank holding the end of the sequence does the most. Give each rank an early "
+                    "chunk and a late one: of 2 x cp chunks, rank r holds chunks r and 2cp-1-r"]
+    return []
+
+
+def check_context(script, workdir, say):
+    """Exercise 6: 2 ranks, --cp 2, the ring, dropout 0, context 64, on a short text; the positions each rank trained
+    on, the attention scores its ring computed, and its losses recorded."""
+    from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
+
+    text = workdir / "text.txt"
+    text.write_text(help_pages()[:CP_TEXT_CHARS])
+    cmd = [*torchrun(script, CP_EPOCHS, CP_EPOCHS, nproc=CP_NPROC), "--cp", CP_NPROC, "--workload", "gpt-cpu",
+           "--context", CP_CONTEXT, "--batch_size", CP_BATCH, "--exchange", "ring", "--timeout", COLLECTIVE_TIMEOUT_S]
+    say(f"running: {shown(cmd)}   (one cp group of 2, dropout 0, on {CP_TEXT_CHARS:,} characters of Python's help "
+        "pages)")
+    job = run(cmd, cwd=workdir, logs=workdir / "records", record=True, timeout=180, check=False,
+              env={TEXT_VARIABLE: text, DROPOUT_VARIABLE: 0})
+    problems = context_problems(job.samples, context_reference(text)) if job.samples else []
+    return problems or exit_problems(job, script)
+
+
+CHECKS = {1: check_ddp, 2: check_resume, 3: check_two_nodes, 4: check_grad_accum, 5: check_two_d, 6: check_context}
 
 
 def check(number, script, workdir, say=lambda line: None):

@@ -343,3 +343,16 @@ def test_an_option_it_cannot_run_stops_with_one_line_before_anything_starts(monk
     """Context parallelism splits the GPT's sequences, so no other workload."""
     assert run_main(monkeypatch, 2, option, value).code == 2
     assert re.search(rf"context_parallel.py: error: argument {option}: ", capsys.readouterr().err.splitlines()[-1])
+
+
+# --- on GPUs ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_on_gpus_the_gpu_size_trains_with_its_sequences_split_in_bf16_over_nccl(tmp_path):
+    """The GPU size (dropout 0.2, in the ring's attention too) on the help pages, sequences of 512 split over 2 GPUs
+    (the ring's sends by NCCL's point-to-point), bf16 autocast: it learns. On one GPU, --cp 1: the same code, no
+    exchange."""
+    cp = 2 if torch.cuda.device_count() >= 2 else 1
+    job = run(torchrun("context_parallel.py", 2, 2, "--cp", cp, "--context", 512, "--precision", "bf16", nproc=cp),
+              cwd=tmp_path, gpu=True, timeout=600)
+    assert job.losses[1] < job.losses[0] and f"[rank 0/{cp} | local 0 | cuda:0]" in job.output, job.output

@@ -71,6 +71,12 @@ def test_starting_file_5_splits_the_data_over_every_rank_and_the_checker_says_so
                         problems), problems
 
 
+def test_starting_file_6_gives_the_last_rank_twice_the_attention_and_the_checker_says_so(tmp_path):
+    problems = checked(6, REPO / STARTS[6], tmp_path)
+    assert problems.startswith("rank 1 computed 2.00 times the attention scores rank 0 did in epoch 0 ("), problems
+    assert "rank r holds chunks r and 2cp-1-r" in problems and "\n" not in problems, problems
+
+
 # Seeded mistakes: (exercise, edits to its solution, one pattern per verdict the checker must print, and no other).
 # One run per kind of evidence the recorder gives the verdicts: what a spawned job's ranks trained on, computed, saved
 # (from which line, in which file) and left open; a job torchrun restarts after a kill (when each rank began an epoch

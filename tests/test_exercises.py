@@ -11,7 +11,8 @@ from exercises import check as checker
 from exercises.check import (ACCUM_EPOCHS, EXERCISES, KILLED_EPOCH, SOLUTIONS, accumulation_problems,
                              accumulation_reference, barrier_problems, ddp_problems, divergence_problems, exit_problems,
                              loss_problems, order_problems, process_problems, restart_problems, resume_problems,
-                             saved_state_problems, shard_problems, teardown_problems, two_d_problems, writer_problems)
+                             saved_state_problems, shard_problems, teardown_problems, two_d_problems, writer_problems,
+                             context_problems)
 from tools.jobs import PYTHON, REPO, run
 from utils import make_workload
 from utils.gpt import help_pages
@@ -356,3 +357,34 @@ def test_the_2d_verdicts_name_overlapping_dp_groups_a_missing_mesh_and_a_wrong_l
         "epoch 0's loss, averaged over the ranks, is 1.5000, but one process training on the same samples computes "
         "1.0000: the ranks do not compute what the model computes (the tensor-parallel plan, or the way the data "
         "reaches the ranks)"]
+
+
+# --- exercise 6: context parallelism ----------------------------------------------------------------------------------
+
+def test_the_context_verdicts_name_a_cut_that_overlaps_a_wrong_loss_an_uneven_load_and_no_ring():
+    """The judge of exercise 6 on records made up here (no processes): 2 ranks, one cp group, a context of 8."""
+    def rows(positions_by_rank, scores_by_rank, loss=1.0, split=True):
+        return [dict(rank=rank, restart=0, number=0, epoch=0, loss=loss,
+                     context=dict(positions=positions, scores=scores) if split else None)
+                for rank, (positions, scores) in enumerate(zip(positions_by_rank, scores_by_rank))]
+
+    def problems(*args, **options):
+        return context_problems(rows(*args, **options), {0: 1.0}, context=8)
+
+    balanced = [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert problems(balanced, [20, 20]) == []
+    assert problems(balanced, [20, 20], split=False)[0].startswith("no rank trained on a part of each sequence")
+    assert problems([[0, 1, 2, 3], [2, 3, 4, 5]], [20, 20]) == [
+        "in epoch 0 the ranks' chunks do not cut the sequence of 8 tokens into parts: positions 2 to 3 are held by "
+        "more than one rank. Every chunk of the 2 x cp must be held by exactly one rank of the cp group"]
+    assert problems([[0, 1], [2, 3]], [20, 20])[0].endswith("positions 4 to 7 by none. Every chunk of the 2 x cp "
+                                                            "must be held by exactly one rank of the cp group")
+    assert problems(balanced, [20, 20], loss=1.5)[0].startswith(
+        "epoch 0's loss, averaged over the ranks, is 1.5000, but one process training on whole sequences computes "
+        "1.0000")
+    assert problems([[0, 1, 2, 3], [4, 5, 6, 7]], [16, 32]) == [
+        "rank 1 computed 2.00 times the attention scores rank 0 did in epoch 0 (32 against 16 per head and sequence, "
+        "forward and backward), and every rank waits for the slowest at each step: under the causal mask a query sees "
+        "the keys before it, so the rank holding the end of the sequence does the most. Give each rank an early chunk "
+        "and a late one: of 2 x cp chunks, rank r holds chunks r and 2cp-1-r"]
+    assert problems(balanced, [0, 0])[0].startswith("rank 0's attention computed nothing by the ring in epoch 0")

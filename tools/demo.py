@@ -86,9 +86,9 @@ def main():
     jobs["pipeline_parallel.py"] = show("Step 8: the GPT in 2 pipeline stages, 4 micro-batches each (1F1B)", torchrun(
         "pipeline_parallel.py", 1, 1, *(["--precision", "bf16"] if GPUS else []),
         nproc=min(GPUS, 2) or 2), timeout=args.timeout)
-    # One epoch of the help pages in sequences of 256 characters, each shared by 2 ranks (2 chunks each), the ring.
+    # One epoch of the help pages in sequences of 128 characters, each shared by 2 ranks (2 chunks each), the ring.
     jobs["context_parallel.py"] = show("Step 9: each sequence split over 2 ranks, keys and values passed in a ring",
-                                       torchrun("context_parallel.py", 1, 1, "--context", 256, "--cp",
+                                       torchrun("context_parallel.py", 1, 1, "--context", 128, "--cp",
                                                 min(GPUS, 2) or 2, *(["--precision", "bf16"] if GPUS else []),
                                                 nproc=min(GPUS, 2) or 2), timeout=args.timeout)
 

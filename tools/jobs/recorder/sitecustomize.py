@@ -25,6 +25,9 @@ changed; without the variables nothing happens.
     of the losses this rank called backward() on, weighted by batch size (what an all-reduce averages over ranks);
     `began` and `ended` (time.time()); `bypass`, the first stack (see saves.jsonl) that called the model inside
     DistributedDataParallel directly during the pass, so no gradient was averaged (None: it never happened).
+    `context`, in a job of step 9 (utils/context.py): {"positions": the positions of each sequence this rank trained
+    on, "scores": the query-key scores its ring attention computed in the pass, forward and backward, per head and
+    sequence}; None elsewhere.
     What decides dropout's masks, the pass's draws: `draws`, {"dropout": ..., "attention": ...}, a digest of the state
     the default generator of the input's device was in at every call of F.dropout and of the attention's
     F.scaled_dot_product_attention that dropped something (in order; None: no such call). Two ranks with equal
@@ -200,7 +203,8 @@ if RECORD_DIR or KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
         if RECORD_DIR:
             before = dict(began=time.time(), params_before=_parameters_hash(), optimizer_before=_optimizer_hash())
-            _now.update(in_pass=True, loss=0.0, samples=0, bypass=None, draws={}, reduce_scatter_dtypes=set())
+            _now.update(in_pass=True, loss=0.0, samples=0, bypass=None, draws={}, reduce_scatter_dtypes=set(),
+                        scores=0)
         indices = []
         try:
             for batch in _batches(self):
@@ -218,7 +222,9 @@ if RECORD_DIR or KILL_AT:
                 loss=_now["loss"] / _now["samples"] if _now["samples"] else None, bypass=_now["bypass"],
                 draws={kind: digest.hexdigest()[:16] for kind, digest in _now["draws"].items()},
                 whole_along_tp=_whole_along_tp_hash(),
-                reduce_scatter_dtypes=sorted(_now["reduce_scatter_dtypes"]))))
+                reduce_scatter_dtypes=sorted(_now["reduce_scatter_dtypes"]),
+                context=None if _now.get("positions") is None else dict(positions=_now["positions"],
+                                                                         scores=_now["scores"]))))
 
     DistributedDataParallel.__init__ = _noting_ddp_init
 
@@ -378,6 +384,48 @@ if RECORD_DIR:
             return spec
 
     sys.meta_path.insert(0, _PipelineWatch())
+
+    def _record_context(context_module):
+        """Wrap utils/context.py's split_sequence (the positions of the sequence a rank trains on) and the ring's
+        chunk pairs (the query-key scores a rank computes: n x n per pair, per head and sequence)."""
+        import contextlib
+
+        pairs, split_sequence = context_module.Ring.pairs, context_module.split_sequence
+
+        def counting_pairs(self, held):
+            for pair in pairs(self, held):
+                _now["scores"] = _now.get("scores", 0) + self.n * self.n
+                yield pair
+
+        @contextlib.contextmanager
+        def noting_split_sequence(*args, **kwargs):
+            with split_sequence(*args, **kwargs) as positions:
+                _now["positions"] = [int(position) for position in positions]
+                try:
+                    yield positions
+                finally:
+                    _now["positions"] = None
+
+        context_module.Ring.pairs, context_module.split_sequence = counting_pairs, noting_split_sequence
+
+    class _ContextWatch(importlib.abc.MetaPathFinder):
+        """Patches utils.context (step 9's exchange) as it is imported, before a step imports names from it."""
+
+        def find_spec(self, name, path, target=None):
+            if name != "utils.context":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            execute = spec.loader.exec_module
+
+            def execute_and_patch(module):
+                execute(module)
+                _record_context(module)
+
+            spec.loader.exec_module = execute_and_patch
+            return spec
+
+    sys.meta_path.insert(0, _ContextWatch())
 
 if RECORD_STEPS:
     import math
