@@ -641,12 +641,18 @@ def two_d_problems(samples, reference):
         if unseen > 0:
             return [f"no rank trained on {unseen} of the {dataset_size} samples in {epoch}: together the dp groups "
                     "must cover the whole dataset"]
-    for epoch, expected in losses.items():
+    return mean_loss_problems(samples, losses, "on the same samples",
+                              " (the tensor-parallel plan, or the way the data reaches the ranks)")
+
+
+def mean_loss_problems(samples, reference, how, why=""):
+    """Each epoch's loss averaged over the ranks (each holds as much of the batch) against one process's, `how` it
+    trains (`reference`: {epoch: loss})."""
+    for epoch, expected in reference.items():
         own = [row["loss"] for row in samples if row["epoch"] == epoch and row.get("loss") is not None]
         if own and abs(sum(own) / len(own) - expected) > LOSS_TOLERANCE:
             return [f"epoch {epoch}'s loss, averaged over the ranks, is {sum(own) / len(own):.4f}, but one process "
-                    f"training on the same samples computes {expected:.4f}: the ranks do not compute what the model "
-                    "computes (the tensor-parallel plan, or the way the data reaches the ranks)"]
+                    f"training {how} computes {expected:.4f}: the ranks do not compute what the model computes{why}"]
     return []
 
 
@@ -673,32 +679,11 @@ BALANCE_TOLERANCE = 1.01  # the most one rank's attention scores may exceed anot
 
 def context_reference(text):
     """{epoch: mean loss} of one process training the GPT (dropout 0, context CP_CONTEXT) on whole sequences as
-    context_parallel.py's loop does (AdamW, the warm-up + cosine per step, clipping at 1), over the samples in their
-    order: what the cp group computes together when it splits every sequence right."""
-    from torch.optim.lr_scheduler import LambdaLR
-    from torch.utils.data import DataLoader
-    from torch.utils.data.distributed import DistributedSampler
+    context_parallel.py's loop does, over the samples in their order: what the cp group computes together when it
+    splits every sequence right."""
+    from tools.one_process import train_gpt
 
-    from utils.loop import WarmupCosine
-
-    workload = make_workload("gpt-cpu", text=str(text), dropout=0, context=CP_CONTEXT)
-    sampler = DistributedSampler(workload.train_set, num_replicas=1, rank=0)
-    loader = DataLoader(workload.train_set, batch_size=CP_BATCH, sampler=sampler)
-    scheduler = LambdaLR(workload.optimizer, WarmupCosine(CP_EPOCHS * len(loader)))
-    losses = {}
-    for epoch in range(CP_EPOCHS):
-        sampler.set_epoch(epoch)
-        summed = 0.0
-        for source, targets in loader:
-            loss = workload.loss_fn(workload.model(source), targets)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(workload.model.parameters(), 1.0)
-            workload.optimizer.step()
-            scheduler.step()
-            workload.optimizer.zero_grad(set_to_none=True)
-            summed += loss.item()
-        losses[epoch] = summed / len(loader)
-    return losses
+    return train_gpt(text, CP_BATCH, CP_EPOCHS, context=CP_CONTEXT)["losses"]
 
 
 def context_problems(samples, reference, context=CP_CONTEXT):
@@ -721,12 +706,9 @@ def context_problems(samples, reference, context=CP_CONTEXT):
                     f"positions {never[0]} to {never[-1]} by none")
             return [f"in {epoch} the ranks' chunks do not cut the sequence of {context} tokens into parts: {what}. "
                     "Every chunk of the 2 x cp must be held by exactly one rank of the cp group"]
-    for epoch, expected in reference.items():
-        own = [row["loss"] for row in samples if row["epoch"] == epoch and row.get("loss") is not None]
-        if own and abs(sum(own) / len(own) - expected) > LOSS_TOLERANCE:
-            return [f"epoch {epoch}'s loss, averaged over the ranks, is {sum(own) / len(own):.4f}, but one process "
-                    f"training on whole sequences computes {expected:.4f}: the ranks do not compute what the model "
-                    "computes"]
+    wrong = mean_loss_problems(samples, reference, "on whole sequences")
+    if wrong:
+        return wrong
     for (restart, number), rows in sorted(epochs_of(samples).items()):
         scores = {rank: row["context"]["scores"] for rank, row in sorted(rows.items())}
         most, least = max(scores, key=scores.get), min(scores, key=scores.get)

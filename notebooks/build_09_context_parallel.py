@@ -74,47 +74,27 @@ job = run(torchrun("context_parallel.py", 2, 1, "--workload", "gpt-cpu", "--text
                    launcher_args=["--max_restarts=1"]),
           cwd=scratch("ring"), env={RUN_DIR_VARIABLE: "runs"}, timeout=240, shared=True)
 print_job(job)"""),
-    new_markdown_cell("""One process, the same GPT, the same batches in the same order, on whole sequences: what the two ranks must
-have computed together. Each epoch's mean loss of the job is the mean over both ranks' tokens (each rank's
+    new_markdown_cell("""One process, the same GPT, the same batches in the same order, on whole sequences
+(`tools/one_process.py`, the reference the tests and the workshop checker use too): what the two ranks must have
+computed together. Each epoch's mean loss of the job is the mean over both ranks' tokens (each rank's
 metrics file holds its own half)."""),
     new_code_cell("""# NBVAL_CHECK_OUTPUT
 import json
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
-from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 
-from utils import make_workload
-from utils.loop import WarmupCosine
+from tools.one_process import train_gpt
 
-torch.manual_seed(0)
-workload = make_workload("gpt-cpu", text=str(text), dropout=0, context=64)
-loader = DataLoader(workload.train_set, batch_size=8, sampler=DistributedSampler(workload.train_set, 1, 0))
-scheduler = LambdaLR(workload.optimizer, WarmupCosine(2 * len(loader)))
-alone = {}
-for epoch in range(2):
-    loader.sampler.set_epoch(epoch)
-    losses = []
-    for source, targets in loader:
-        loss = workload.loss_fn(workload.model(source), targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(workload.model.parameters(), 1.0)
-        workload.optimizer.step()
-        scheduler.step()
-        workload.optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    alone[epoch] = sum(losses) / len(losses)
-
+alone = train_gpt(text, batch_size=8, epochs=2, context=64)  # AdamW, the schedule, clipping: the step's loop
 records = [json.loads(line) for rank in (0, 1) for line in (job.cwd / "runs" / f"rank{rank}.jsonl").open()]
 for epoch in range(2):
     mine = [r for r in records if r["epoch"] == epoch]
     split = sum(r["loss"] * r["samples"] for r in mine) / sum(r["samples"] for r in mine)
     print(f"epoch {epoch}: 2 ranks {split:.4f} (rank 0's tokens {mine[0]['loss']:.4f}, rank 1's "
-          f"{mine[1]['loss']:.4f}) | one process {alone[epoch]:.4f} | equal to 1e-5: {abs(split - alone[epoch]) < 1e-5}")
+          f"{mine[1]['loss']:.4f}) | one process {alone['losses'][epoch]:.4f} | equal to 1e-5: "
+          f"{abs(split - alone['losses'][epoch]) < 1e-5}")
 snapshot = torch.load(job.cwd / "cp_snapshot.pt", weights_only=True)["MODEL_STATE"]
-farthest = max((snapshot[name] - value).abs().max().item() for name, value in workload.model.state_dict().items()
-               if isinstance(value, torch.Tensor))
+farthest = max((snapshot[name] - value).abs().max().item() for name, value in alone["weights"][2].items())
 print("the weights equal one process's to 2e-4:", farthest < 2e-4)"""),
     new_markdown_cell("""The two ranks' own losses differ (rank 0 predicts the first and the last chunk of every sequence, rank 1
 the two in the middle), and their mean is one process's. The snapshot holds the whole model, as every rank does: `--cp 1`, or any other

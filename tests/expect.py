@@ -1,12 +1,16 @@
-"""What a correct run of a step shows: assertions that several test files make about a finished job, and the sharded
-snapshots of steps 5, 7 and 8 read back whole."""
+"""What a correct run of a step shows: assertions that several test files make about a finished job, the sharded
+snapshots of steps 5, 7 and 8 read back whole, and a step's checks before its process group, run in the test's
+process."""
+import runpy
+import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tools.jobs import output, saved_name
+from tools.jobs import output, saved_name, script
 from utils import make_workload
 
 
@@ -56,3 +60,16 @@ def sharded_snapshot(folder):
     with tempfile.TemporaryDirectory() as scratch:
         dcp_to_torch_save(folder, Path(scratch) / "whole.pt")
         return torch.load(Path(scratch) / "whole.pt", map_location="cpu", weights_only=False)
+
+
+def stopped_as_rank_0(monkeypatch, step, world_size, *args):
+    """`step`'s __main__ run in this process as torchrun starts rank 0 of `world_size` processes, with TOTAL_EPOCHS 2,
+    SAVE_EVERY 1 and `args`: the SystemExit it stops with (its checks of the options come before init_process_group,
+    which a test's process must never reach)."""
+    monkeypatch.setattr(sys, "argv", [step, "2", "1", *map(str, args)])
+    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "LOCAL_WORLD_SIZE": world_size,
+                        "WORLD_SIZE": world_size}.items():
+        monkeypatch.setenv(name, str(value))
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(script(step), run_name="__main__")
+    return stop.value

@@ -9,25 +9,18 @@ steps an epoch, fp32 and dropout 0. The jobs: --cp 2 on 2 ranks by the ring; --c
 rank 3 SIGKILLed as it begins epoch 1; the first job's snapshot resumed by one process (--cp 1); a job with dropout
 and bf16. The attention alone: one spawn of 4 processes (a ring of 4, and two rings of 2 in it)."""
 import json
-import os
 import re
-import runpy
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.optim.lr_scheduler import LambdaLR
-from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
-
-from tools.jobs import free_port, output, run, script, shared_file, torchrun, torchrun_node
+from expect import stopped_as_rank_0
+from tools.jobs import free_port, output, run, shared_file, torchrun, torchrun_node
+from tools.one_process import tensors, train_gpt
 from utils import evaluate, make_workload
 from utils.context import Ring, gathered_attention, positions_of, ring_attention
 from utils.gpt import help_pages
-from utils.loop import WarmupCosine
 from utils.metrics import RUN_DIR_VARIABLE
 
 TEXT_CHARS = 4600  # 90% to train on: 64 sequences of 64 (+1) characters; 7 held out
@@ -78,46 +71,12 @@ def alone(tmp_path_factory, text, ring_on_two):
     return context_parallel(folder, text, EPOCHS + 1, "--cp", 1, nproc=1)
 
 
-def train_in_one_process(text, batch_size, epochs):
-    """What the step computes, in one process with whole sequences: AdamW, the gradient norm clipped to 1, the warm-up
-    + cosine schedule of the first EPOCHS epochs stepped per batch (a resumed job with more epochs has no schedule
-    left: it stays at the floor), batches in the order a 1-replica DistributedSampler deals them. {epoch: mean loss},
-    {epochs done: weights}, and the held-out loss after EPOCHS."""
-    workload = make_workload("gpt-cpu", text=str(text), dropout=0, context=64)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the jobs run: 2 threads on a busy 2-core machine spin-wait, 10x slower
-    loader = DataLoader(workload.train_set, batch_size=batch_size,
-                        sampler=DistributedSampler(workload.train_set, num_replicas=1, rank=0))
-    scheduler = LambdaLR(workload.optimizer, WarmupCosine(EPOCHS * len(loader)))
-    losses, weights = {}, {}
-    for epoch in range(epochs):
-        loader.sampler.set_epoch(epoch)
-        summed = 0.0
-        for source, targets in loader:
-            loss = workload.loss_fn(workload.model(source), targets)
-            loss.backward()
-            summed += loss.item()
-            torch.nn.utils.clip_grad_norm_(workload.model.parameters(), 1.0)
-            workload.optimizer.step()
-            scheduler.step()
-            workload.optimizer.zero_grad(set_to_none=True)
-        losses[epoch] = summed / len(loader)
-        weights[epoch + 1] = tensors(workload.model.state_dict())
-        if epoch + 1 == EPOCHS:
-            held_out = evaluate(workload.model, workload.eval_set, workload.loss_fn, torch.device("cpu"))["loss"]
-    torch.set_num_threads(threads)
-    return dict(losses=losses, weights=weights, held_out=held_out)
-
-
 @pytest.fixture(scope="module")
 def reference(text):
-    """One process, batches of 8, 3 epochs; and one that trains other batches (4 per step)."""
-    return dict(train_in_one_process(text, B, EPOCHS + 1), other_batches=train_in_one_process(text, B // 2, EPOCHS))
-
-
-def tensors(state):
-    """A state_dict's tensors, copied (a GPT's also holds the identity of its text, `_extra_state`)."""
-    return {name: value.clone() for name, value in state.items() if isinstance(value, torch.Tensor)}
+    """One process on whole sequences, batches of 8, 3 epochs (the schedule of 2); and one that trains other batches
+    (4 per step)."""
+    return dict(train_gpt(text, B, EPOCHS + 1, EPOCHS, context=64),
+                other_batches=train_gpt(text, B // 2, EPOCHS, context=64))
 
 
 def weights(job):
@@ -313,15 +272,8 @@ def test_on_two_nodes_a_cp_group_is_one_node_and_with_dropout_and_bf16_the_gpt_l
 # --- bad input --------------------------------------------------------------------------------------------------------
 
 def run_main(monkeypatch, world_size, *args):
-    """context_parallel.py's __main__ in this process, as torchrun starts rank 0 of `world_size`: its checks come
-    before init_process_group. The SystemExit it stops with."""
-    monkeypatch.setattr(sys, "argv", ["context_parallel.py", "2", "1", *map(str, args)])
-    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "LOCAL_WORLD_SIZE": world_size,
-                        "WORLD_SIZE": world_size}.items():
-        monkeypatch.setenv(name, str(value))
-    with pytest.raises(SystemExit) as stop:
-        runpy.run_path(script("context_parallel.py"), run_name="__main__")
-    return stop.value
+    """context_parallel.py's checks before its process group, in this process (expect.stopped_as_rank_0)."""
+    return stopped_as_rank_0(monkeypatch, "context_parallel.py", world_size, *args)
 
 
 @pytest.mark.parametrize("world_size, args, message", [

@@ -12,24 +12,21 @@ two-node jobs; a job with no batch to train on."""
 import json
 import math
 import re
-import runpy
 import shutil
-import sys
 from argparse import Namespace
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from expect import assert_bitwise_equal, sharded_snapshot
+from expect import assert_bitwise_equal, sharded_snapshot, stopped_as_rank_0
 from tools import pipeline_timeline
-from tools.jobs import free_port, output, run, script, shared_file, torchrun, torchrun_node
-from utils import evaluate, make_workload
+from tools.jobs import free_port, output, run, shared_file, torchrun, torchrun_node
+from tools.one_process import train_gpt
+from utils import make_workload
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
-from utils.loop import WarmupCosine
 from utils.metrics import RUN_DIR_VARIABLE
 from utils.pipeline import require_a_batch, require_pipeline_fits
 
@@ -88,41 +85,11 @@ def another_cut(tmp_path_factory, text, one_f_one_b):
     return alone, four
 
 
-def train_in_one_process(text, batch_size, epochs):
-    """What the steps compute, in one process without a pipeline: AdamW, the gradient norm clipped to 1, the warm-up
-    + cosine schedule of the first EPOCHS epochs stepped per batch (a resumed job with more epochs has no schedule
-    left: it stays at the floor), batches in the order a 1-replica DistributedSampler deals them. {epoch: mean
-    loss}, each step's gradient norm before clipping, {epochs done: weights}, and the held-out loss after EPOCHS."""
-    workload = make_workload("gpt-cpu", text=str(text), dropout=0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the jobs run: 2 threads on a busy 2-core machine spin-wait, 10x slower
-    loader = DataLoader(workload.train_set, batch_size=batch_size, drop_last=True,
-                        sampler=DistributedSampler(workload.train_set, num_replicas=1, rank=0))
-    scheduler = LambdaLR(workload.optimizer, WarmupCosine(EPOCHS * len(loader)))
-    losses, norms, weights = {}, [], {}
-    for epoch in range(epochs):
-        loader.sampler.set_epoch(epoch)
-        summed = 0.0
-        for source, targets in loader:
-            loss = workload.loss_fn(workload.model(source), targets)
-            loss.backward()
-            summed += loss.item()
-            norms.append(torch.nn.utils.clip_grad_norm_(workload.model.parameters(), 1.0).item())
-            workload.optimizer.step()
-            scheduler.step()
-            workload.optimizer.zero_grad(set_to_none=True)
-        losses[epoch] = summed / len(loader)
-        weights[epoch + 1] = {name: tensor.clone() for name, tensor in tensors(workload.model.state_dict()).items()}
-        if epoch + 1 == EPOCHS:
-            held_out = evaluate(workload.model, workload.eval_set, workload.loss_fn, torch.device("cpu"))["loss"]
-    torch.set_num_threads(threads)
-    return dict(losses=losses, norms=norms, weights=weights, held_out=held_out)
-
-
 @pytest.fixture(scope="module")
 def reference(text):
     """One process, batches of 8, 4 epochs; and the weights of one that trains other batches (4 per step)."""
-    return dict(train_in_one_process(text, B, EPOCHS + 2), other_batches=train_in_one_process(text, B // 2, EPOCHS))
+    return dict(train_gpt(text, B, EPOCHS + 2, EPOCHS, drop_last=True),
+                other_batches=train_gpt(text, B // 2, EPOCHS, drop_last=True))
 
 
 def tensors(state):
@@ -339,15 +306,8 @@ def test_on_two_nodes_with_dropout_and_bf16_it_learns_and_a_killed_worker_resume
 # --- bad input --------------------------------------------------------------------------------------------------------
 
 def run_main(monkeypatch, world_size, *args):
-    """pipeline_parallel.py's __main__ in this process, as torchrun starts rank 0 of `world_size`: its checks come
-    before init_process_group. The SystemExit it stops with."""
-    monkeypatch.setattr(sys, "argv", ["pipeline_parallel.py", "2", "1", *map(str, args)])
-    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "LOCAL_WORLD_SIZE": world_size,
-                        "WORLD_SIZE": world_size}.items():
-        monkeypatch.setenv(name, str(value))
-    with pytest.raises(SystemExit) as stop:
-        runpy.run_path(script("pipeline_parallel.py"), run_name="__main__")
-    return stop.value
+    """pipeline_parallel.py's checks before its process group, in this process (expect.stopped_as_rank_0)."""
+    return stopped_as_rank_0(monkeypatch, "pipeline_parallel.py", world_size, *args)
 
 
 @pytest.mark.parametrize("world_size, args, message", [

@@ -10,17 +10,15 @@ computes the reference here, in this process: fsdp.py's loop (AdamW, no schedule
 DistributedSampler over the dp ranks deals them (dp rank r gets shuffled positions r, r+2...: one batch of 8 holds
 exactly the 2 dp ranks' batches of 4)."""
 import re
-import runpy
 import shutil
-import sys
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from expect import assert_bitwise_equal, sharded_snapshot
-from tools.jobs import free_port, output, run, script, shared_file, torchrun, torchrun_node
+from expect import assert_bitwise_equal, sharded_snapshot, stopped_as_rank_0
+from tools.jobs import free_port, output, run, shared_file, torchrun, torchrun_node
 from utils import evaluate, make_workload, require_written_by
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, CausalSelfAttention, help_pages
 
@@ -269,15 +267,8 @@ def test_bf16_tensor_parallelism_on_the_cpu_tracks_fp32(tmp_path, text, referenc
 
 
 def run_main(monkeypatch, world_size, *args):
-    """tensor_parallel.py's __main__ in this process, as torchrun starts rank 0 of `world_size`: its checks come
-    before init_process_group. The SystemExit it stops with."""
-    monkeypatch.setattr(sys, "argv", ["tensor_parallel.py", "2", "1", *map(str, args)])
-    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "LOCAL_WORLD_SIZE": world_size,
-                        "WORLD_SIZE": world_size}.items():
-        monkeypatch.setenv(name, str(value))
-    with pytest.raises(SystemExit) as stop:
-        runpy.run_path(script("tensor_parallel.py"), run_name="__main__")
-    return stop.value
+    """tensor_parallel.py's checks before its process group, in this process (expect.stopped_as_rank_0)."""
+    return stopped_as_rank_0(monkeypatch, "tensor_parallel.py", world_size, *args)
 
 
 @pytest.mark.parametrize("world_size, args, message", [

@@ -366,11 +366,14 @@ if RECORD_DIR:
 
         base.forward_one_chunk, base.backward_one_chunk = recording_forward, recording_backward
 
-    class _PipelineWatch(importlib.abc.MetaPathFinder):
-        """Patches torch.distributed.pipelining.stage as it is imported, if it ever is."""
+    class _PatchOnImport(importlib.abc.MetaPathFinder):
+        """Patches the module `name` as it is imported, if it ever is, before anything imports names from it."""
+
+        def __init__(self, name, patch):
+            self.name, self.patch = name, patch
 
         def find_spec(self, name, path, target=None):
-            if name != "torch.distributed.pipelining.stage":
+            if name != self.name:
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)
@@ -378,12 +381,12 @@ if RECORD_DIR:
 
             def execute_and_patch(module):
                 execute(module)
-                _record_chunks(module)
+                self.patch(module)
 
             spec.loader.exec_module = execute_and_patch
             return spec
 
-    sys.meta_path.insert(0, _PipelineWatch())
+    sys.meta_path.insert(0, _PatchOnImport("torch.distributed.pipelining.stage", _record_chunks))
 
     def _record_context(context_module):
         """Wrap utils/context.py's split_sequence (the positions of the sequence a rank trains on) and the ring's
@@ -408,24 +411,7 @@ if RECORD_DIR:
 
         context_module.Ring.pairs, context_module.split_sequence = counting_pairs, noting_split_sequence
 
-    class _ContextWatch(importlib.abc.MetaPathFinder):
-        """Patches utils.context (step 9's exchange) as it is imported, before a step imports names from it."""
-
-        def find_spec(self, name, path, target=None):
-            if name != "utils.context":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            execute = spec.loader.exec_module
-
-            def execute_and_patch(module):
-                execute(module)
-                _record_context(module)
-
-            spec.loader.exec_module = execute_and_patch
-            return spec
-
-    sys.meta_path.insert(0, _ContextWatch())
+    sys.meta_path.insert(0, _PatchOnImport("utils.context", _record_context))  # step 9's exchange
 
 if RECORD_STEPS:
     import math
