@@ -57,10 +57,10 @@ LARGER_BUDGETS = {
     "pipeline_parallel.py": (231, 165),
     # gpt.py (180 lines) with the (dp, cp) mesh and its timeouts, the sampler over dp, the chunks each rank holds and
     # why, the model switched to a rank's chunks around the training loop, the batch cut to those chunks, DDP's
-    # average over dp x cp explained, one check, three options and two imports: 198 lines, 62 changed, against its
-    # issue's (190, 80). Its loop is all of gpt.py's (accumulation, fp16's scaler, compile, the sample), which the
-    # issue keeps; the exchange of keys and values lives in utils/context.py.
-    "context_parallel.py": (198, 62),
+    # average over dp x cp explained, one check, three options and two imports, each comment a sentence above its
+    # code: 201 lines, 65 changed, against its issue's (190, 80). Its loop is all of gpt.py's (accumulation, fp16's
+    # scaler, compile, the sample), which the issue keeps; the exchange of keys and values lives in utils/context.py.
+    "context_parallel.py": (201, 65),
 }
 BLOCK = re.compile(r"(<!-- diff (\S+) (\S+) -->\n)(.*?)(<!-- end diff -->)", re.S)
 

@@ -147,17 +147,20 @@ class Trainer:
 
 
 def load_train_objs(args):
-    return make_workload(args.workload, text=args.text, dropout=args.dropout, context=args.context)  # data, model...
+    # Data, model, optimizer and loss; the GPT's context, the positions it learns, as long as --context.
+    return make_workload(args.workload, text=args.text, dropout=args.dropout, context=args.context)
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int, dp):
+    # The ranks of a cp group share every sequence: the data is split over the dp groups only, 1/dp each.
     return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
-                      sampler=DistributedSampler(dataset, dp.size(), dp.get_local_rank()))  # cp ranks share: 1/dp
+                      sampler=DistributedSampler(dataset, dp.size(), dp.get_local_rank()))
 
 
 def main(args):
     check_options(args)  # an option that cannot run here: one line, before anything
-    require_cp_fits(args, int(os.environ["WORLD_SIZE"]))  # whole cp groups, 2 x cp chunks: else one line
+    # Whole cp groups, and a context that cuts into 2 x cp chunks of equal length: else one line, before anything.
+    require_cp_fits(args, int(os.environ["WORLD_SIZE"]))
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
