@@ -16,6 +16,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from utils import evaluate, make_workload
 from utils.loop import WarmupCosine
+from utils.moe import balance_loss
 
 
 def tensors(state):
@@ -23,13 +24,15 @@ def tensors(state):
     return {name: value.clone() for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
-def train_gpt(text, batch_size, epochs, schedule_epochs=None, context=None, drop_last=False):
+def train_gpt(text, batch_size, epochs, schedule_epochs=None, context=None, drop_last=False, workload="gpt-cpu",
+              aux_weight=0.0, **options):
     """The CPU-size GPT learning `text` (a file) for `epochs`, batches of `batch_size` (`context`: instead of the size's
-    context; `drop_last`: leave out a last batch that is not whole, as a pipeline must). {"losses": {epoch: mean loss
-    of its batches}, "norms": each step's gradient norm before clipping, "weights": {epochs done: weights},
-    "held_out": the held-out loss after `schedule_epochs` (default: all of them)}."""
+    context; `drop_last`: leave out a last batch that is not whole, as a pipeline must; `workload`: "gpt-moe-cpu" for
+    the mixture of experts, its load-balancing loss weighted by `aux_weight`, `options` the builder's, e.g. top_k).
+    {"losses": {epoch: mean loss of its batches}, "norms": each step's gradient norm before clipping, "weights":
+    {epochs done: weights}, "held_out": the held-out loss after `schedule_epochs` (default: all of them)}."""
     schedule_epochs = schedule_epochs or epochs
-    workload = make_workload("gpt-cpu", text=str(text), dropout=0, context=context)
+    workload = make_workload(workload, text=str(text), dropout=0, context=context, **options)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the jobs run: 2 threads on a busy 2-core machine spin-wait, 10x slower
     loader = DataLoader(workload.train_set, batch_size=batch_size, drop_last=drop_last,
@@ -42,7 +45,7 @@ def train_gpt(text, batch_size, epochs, schedule_epochs=None, context=None, drop
             summed = 0.0
             for source, targets in loader:
                 loss = workload.loss_fn(workload.model(source), targets)
-                loss.backward()
+                (loss + aux_weight * balance_loss(workload.model) if aux_weight else loss).backward()
                 summed += loss.item()
                 norms.append(torch.nn.utils.clip_grad_norm_(workload.model.parameters(), 1.0).item())
                 workload.optimizer.step()

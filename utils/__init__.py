@@ -28,6 +28,10 @@ WORKLOADS = {
     "gpt": gpt.gpt,  # a small character-level GPT on Python's help pages (step 6): the GPU size on CUDA, else the CPU's
     "gpt-cpu": gpt.gpt_cpu,  # either size anywhere, by name
     "gpt-gpu": gpt.gpt_gpu,
+    # The mixture-of-experts GPT (step 10): every block's MLP as 4 experts (8 on the GPU size) and a router.
+    "gpt-moe": gpt.gpt_moe,
+    "gpt-moe-cpu": gpt.gpt_moe_cpu,
+    "gpt-moe-gpu": gpt.gpt_moe_gpu,
 }
 
 

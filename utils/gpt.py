@@ -52,6 +52,9 @@ class GPTConfig:
     betas: tuple
     weight_decay: float  # decoupled (AdamW) decay, on weight matrices and embeddings only: see make_optimizer
     vocab_size: int = 0  # filled in from the text: one token per distinct character
+    experts: int = 0  # a mixture of experts: each block's MLP as this many MLPs and a router (0: one MLP)
+    top_k: int = 2  # the experts each token goes to
+    capacity_factor: float = 0.0  # > 0: an expert takes at most this x its even share of a batch's tokens
 
 
 SIZES = {
@@ -69,6 +72,9 @@ SIZES = {
     "gpu": GPTConfig(n_layer=6, n_head=8, n_embd=384, context=256, dropout=0.2, lr=1e-3, betas=(0.9, 0.99),
                      weight_decay=0.1),
 }
+# The mixture-of-experts GPT of each size ("gpt-moe", utils/moe.py): every block's MLP as this many experts of its
+# shape, so the weights grow that many times while a token's compute grows top_k times.
+MOE_EXPERTS = {"cpu": 4, "gpu": 8}
 
 
 # ---------------------------------------------------------------------------------------------------- the text
@@ -214,7 +220,11 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(config.n_embd)
         self.attention = CausalSelfAttention(config)
         self.norm2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
+        if config.experts:  # the mixture-of-experts GPT (utils/moe.py imports this module: imported here)
+            from utils.moe import MoE
+            self.mlp = MoE(config)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x):
         x = x + self.attention(self.norm1(x))
@@ -295,9 +305,12 @@ def drawing_from(generator):
 
 
 def size_of(workload):
-    """The GPTConfig that the GPT workload `workload` ("gpt", "gpt-cpu", "gpt-gpu") trains, as gpt() picks it: the
-    GPU size for "gpt" where CUDA is available. Its vocabulary size is unknown (0) until a text is read."""
-    return SIZES[workload.partition("-")[2] or ("gpu" if torch.cuda.is_available() else "cpu")]
+    """The GPTConfig that the GPT workload `workload` ("gpt", "gpt-cpu", "gpt-gpu", "gpt-moe", "gpt-moe-cpu"...)
+    trains, as gpt() picks it: the GPU size for "gpt" and "gpt-moe" where CUDA is available. Its vocabulary size is
+    unknown (0) until a text is read."""
+    parts = workload.split("-")
+    size = parts[-1] if parts[-1] in SIZES else ("gpu" if torch.cuda.is_available() else "cpu")
+    return dataclasses.replace(SIZES[size], experts=MOE_EXPERTS[size]) if "moe" in parts else SIZES[size]
 
 
 def unwrap(model):
@@ -333,11 +346,11 @@ def make_optimizer(model, config):
                              lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 
-def gpt(seed, size=None, text=None, dropout=None, context=None):
+def gpt(seed, size=None, text=None, dropout=None, context=None, experts=0, top_k=2, capacity_factor=0.0):
     """The GPT workload. size: "cpu" or "gpu", by default "gpu" when CUDA is available; text: a UTF-8 file to learn
     (None: $TUTORIAL_GPT_TEXT's, else Python's help pages); dropout: instead of the size's (None:
     $TUTORIAL_GPT_DROPOUT's if set); context: the tokens it sees at once, instead of the size's (a step's --context:
-    context_parallel.py's long sequences)."""
+    context_parallel.py's long sequences); experts, top_k, capacity_factor: a mixture of experts (gpt_moe)."""
     size = size or ("gpu" if torch.cuda.is_available() else "cpu")
     if size not in SIZES:
         raise ValueError(f"unknown GPT size {size!r}; choose one of {', '.join(SIZES)}")
@@ -347,6 +360,7 @@ def gpt(seed, size=None, text=None, dropout=None, context=None):
         config = dataclasses.replace(config, dropout=float(dropout))
     if context:
         config = dataclasses.replace(config, context=context)
+    config = dataclasses.replace(config, experts=experts, top_k=top_k, capacity_factor=capacity_factor)
     # The held-out tenth must hold at least 4 blocks.
     name, text = load_text(text, min_chars=10 * 4 * (config.context + 1))
     vocab = "".join(sorted(set(text)))
@@ -368,6 +382,21 @@ def gpt_gpu(seed, **options):
     return gpt(seed, "gpu", **options)
 
 
+def gpt_moe(seed, size=None, **options):
+    """The mixture-of-experts GPT of a size (utils/moe.py): MOE_EXPERTS[size] experts in every block; options as
+    gpt()'s (top_k, capacity_factor...)."""
+    size = size or ("gpu" if torch.cuda.is_available() else "cpu")
+    return gpt(seed, size, experts=MOE_EXPERTS.get(size, 0), **options)
+
+
+def gpt_moe_cpu(seed, **options):
+    return gpt_moe(seed, "cpu", **options)
+
+
+def gpt_moe_gpu(seed, **options):
+    return gpt_moe(seed, "gpu", **options)
+
+
 # ---------------------------------------------------------------------------------------------------- its cost
 
 def flops_per_token(model_or_config):
@@ -382,6 +411,9 @@ def flops_per_token(model_or_config):
     """
     config = getattr(model_or_config, "config", model_or_config)
     L, C, T, V = config.n_layer, config.n_embd, config.context, config.vocab_size
-    per_block = (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C) + 2 * 2 * C  # + 2 norms
+    mlp = (4 * C * C + 4 * C) + (4 * C * C + C)
+    if config.experts:  # a token goes through top_k experts' MLPs, and the router scores all of them
+        mlp = config.top_k * mlp + C * config.experts
+    per_block = (3 * C * C + 3 * C) + (C * C + C) + mlp + 2 * 2 * C  # + 2 norms
     n = L * per_block + (2 * C + C * V)  # + final norm and head
     return 6 * n + 12 * L * C * T

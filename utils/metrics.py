@@ -24,10 +24,11 @@ def rank_file(directory, rank):
     return os.path.join(directory, f"rank{rank}.jsonl")
 
 
-def log_rank_metrics(epoch, steps_per_epoch, totals, start):
+def log_rank_metrics(epoch, steps_per_epoch, totals, start, **more):
     """Append this rank's epoch to <run dir>/rank<R>.jsonl: call it with the rank's own [summed loss, samples]
-    totals, before they are all-reduced, and the perf_counter() the epoch started at. Once per epoch: its one
-    host sync (reading `totals`) costs nothing next to an epoch, and training steps never wait for it."""
+    totals, before they are all-reduced, and the perf_counter() the epoch started at; `more`: what else a step records
+    (expert_parallel.py: the tokens each expert got). Once per epoch: its one host sync (reading `totals`) costs
+    nothing next to an epoch, and training steps never wait for it."""
     directory = run_dir()
     if directory is None:
         return
@@ -36,7 +37,7 @@ def log_rank_metrics(epoch, steps_per_epoch, totals, start):
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     record = dict(rank=rank, world_size=world_size, epoch=epoch, step=(epoch + 1) * steps_per_epoch,
                   loss=summed_loss / max(samples, 1), samples=int(samples), seconds=seconds,
-                  samples_per_s=samples / seconds, time=time.time())
+                  samples_per_s=samples / seconds, time=time.time(), **more)
     os.makedirs(directory, exist_ok=True)
     with open(rank_file(directory, rank), "a") as out:
         out.write(json.dumps(record) + "\n")

@@ -1,0 +1,196 @@
+"""The mixture-of-experts GPT's MLP, and what expert_parallel.py (step 10) plugs into it: each rank holds some of
+every layer's experts, and the tokens travel to the ranks of their experts and back by two all-to-alls per layer.
+
+    MoE(config)                             a block's MLP as `experts` MLPs and a router that picks top_k per token
+    split_experts(model, ep_group, batch)   keep this rank's experts of every layer; the rest are reached by all-to-all
+    balance_loss(model)                     the load-balancing auxiliary loss of the last forward, summed over layers
+    routing_stats(model)                    tokens per expert, aux loss, bytes moved, tokens dropped since the last call
+    require_ep_fits(args, world_size)       one line when --ep or --top_k cannot split the job
+
+No token is dropped unless a capacity is set (capacity_factor > 0): then every expert takes at most
+ceil(capacity_factor x tokens x top_k / experts) of the tokens of each rank, in the order they come, as GShard does;
+the others pass the layer by the residual connection alone. Without a capacity, a layer computes the same on any
+placement of its experts, and expert parallelism computes what one process does.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from utils.gpt import MLP, size_of, unwrap
+
+
+class Experts(nn.ModuleDict):
+    """The experts a rank holds, keyed by their number in the whole layer ("0", "1"...: the names in a snapshot are
+    the whole model's, whatever the placement). Takes the tokens grouped by expert, in the order of its keys, and
+    `counts`, how many each expert gets; runs every expert, also one that gets none (DDP expects every gradient)."""
+
+    def forward(self, tokens, counts):
+        pieces = tokens.split(counts)
+        return torch.cat([expert(piece) for expert, piece in zip(self.values(), pieces)])
+
+
+class MoE(nn.Module):
+    """A block's MLP as `config.experts` MLPs of the same shape, and a linear router: each token goes to the top_k
+    experts of its router's softmax, and their outputs are added up, weighted by those probabilities (not
+    renormalised: so with top_k 1 too the router learns from the loss, as in Switch Transformers)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.router = nn.Linear(config.n_embd, config.experts, bias=False)
+        self.experts = Experts({str(e): MLP(config) for e in range(config.experts)})
+        self.n_experts, self.top_k, self.capacity_factor = config.experts, config.top_k, config.capacity_factor
+        self.group = None  # the ep group that holds the layer's experts; None: all of them here
+        self.batch_group = None  # the ranks whose tokens make the batch (the load and the aux loss are the batch's)
+        self.aux_loss = None  # the load-balancing loss of the last training forward
+        self.stats = dict(tokens=[], aux=[], bytes=0, dropped=0, assignments=0)  # since the last routing_stats()
+
+    def forward(self, x):
+        B, T, C = x.shape
+        tokens = x.reshape(B * T, C)
+        with torch.autocast(x.device.type, enabled=False):  # the router in fp32: bf16 would tie the scores
+            probs = F.softmax(self.router(tokens.float()), dim=-1)  # (N, E)
+        gates, chosen = probs.topk(self.top_k, dim=-1)  # (N, k): each token's experts and their weights
+        # The N x k assignments sorted by expert (stably: within an expert, in token order).
+        order = chosen.flatten().argsort(stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
+        if self.capacity_factor > 0:  # keep each expert's first `capacity` assignments, drop the rest
+            capacity = math.ceil(self.capacity_factor * len(tokens) * self.top_k / self.n_experts)
+            starts = (counts.cumsum(0) - counts).repeat_interleave(counts)
+            order = order[torch.arange(len(order), device=x.device) - starts < capacity]
+            counts = counts.clamp(max=capacity)
+        if self.training:
+            self._record(probs, counts, len(chosen.flatten()))
+        routed = tokens[order // self.top_k]
+        if torch.is_autocast_enabled(x.device.type):  # tokens travel in the precision the experts compute in: half the bytes
+            routed = routed.to(torch.get_autocast_dtype(x.device.type))
+        outputs = self._dispatch(routed, counts)
+        weighted = outputs * gates.flatten()[order, None]
+        return weighted.new_zeros(B * T, C).index_add_(0, order // self.top_k, weighted).view(B, T, C)
+
+    def _dispatch(self, routed, counts):
+        """The experts' outputs for `routed`, the tokens sorted by expert (`counts` per expert), in the same order."""
+        if self.group is None:
+            return self.experts(routed, counts.tolist())
+        ep = dist.get_world_size(self.group)
+        # Every rank tells every other how many tokens it sends to each of its experts: (ep, E / ep) each way.
+        incoming = torch.empty_like(counts)
+        dist.all_to_all_single(incoming, counts, group=self.group)
+        send, receive = counts.view(ep, -1).sum(1).tolist(), incoming.view(ep, -1).sum(1).tolist()
+        arrived = AllToAll.apply(routed, receive, send, self.group)  # grouped by sender, then by expert
+        per_expert = incoming.view(ep, -1)
+        expert_of_row = torch.arange(per_expert.shape[1], device=routed.device).repeat(ep)
+        by_expert = expert_of_row.repeat_interleave(incoming).argsort(stable=True)  # regrouped by expert
+        computed = self.experts(arrived[by_expert], per_expert.sum(0).tolist())
+        outputs = computed.new_empty(computed.shape).index_copy_(0, by_expert, computed)  # back in arrival order
+        me = dist.get_rank(self.group)
+        self.stats["bytes"] += (sum(send) - send[me] + sum(receive) - receive[me]) * routed.shape[1] * routed.itemsize
+        return AllToAll.apply(outputs, send, receive, self.group)  # home, in the order they left
+
+    def _record(self, probs, counts, assignments):
+        """The aux loss and the load of this training forward. Switch Transformers' loss, E x sum_e f_e P_e: f_e, the
+        share of the batch's assignments that expert e got; P_e, its mean router probability. Smallest (1) when both
+        are uniform. f_e counts the whole batch (summed over `batch_group`, no gradient); P_e this rank's tokens: the
+        mean over the ranks of their losses is then the batch's, the loss one process computes on the whole batch."""
+        load = counts.detach().clone()
+        if self.batch_group is not None:
+            dist.all_reduce(load, group=self.batch_group)
+        self.aux_loss = self.n_experts * (load / load.sum().clamp(min=1) * probs.mean(0)).sum()
+        self.stats["tokens"].append(load)
+        self.stats["aux"].append(self.aux_loss.detach())
+        self.stats["assignments"] += assignments
+        self.stats["dropped"] += assignments - int(counts.sum())
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits: rows [sum(send[:r]), sum(send[:r+1])) of x go to rank r of the group,
+    and receive[r] rows come from it. Its backward sends the gradients the way back."""
+
+    @staticmethod
+    def forward(ctx, x, receive, send, group):
+        ctx.receive, ctx.send, ctx.group = receive, send, group
+        out = x.new_empty(sum(receive), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), receive, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return AllToAll.apply(grad, ctx.send, ctx.receive, ctx.group), None, None, None
+
+
+def moe_layers(model):
+    """The MoE layers of a GPT (or of DDP of one)."""
+    return [module for module in unwrap(model).modules() if isinstance(module, MoE)]
+
+
+def split_experts(model, ep_group, batch_group=None):
+    """Keep, in every MoE layer, the experts of this rank of `ep_group` (rank r of ep: experts r E/ep to (r+1) E/ep
+    - 1), delete the others, and send each layer's tokens to their experts' ranks from now on. `batch_group`: the
+    ranks whose tokens make one batch (all of them: None is the default group), for the load and the aux loss."""
+    rank, ep = dist.get_rank(ep_group), dist.get_world_size(ep_group)
+    layers = moe_layers(model)
+    for layer in layers:
+        mine = range(rank * layer.n_experts // ep, (rank + 1) * layer.n_experts // ep)
+        for number in list(layer.experts):
+            if int(number) not in mine:
+                del layer.experts[number]
+        layer.group, layer.batch_group = ep_group, batch_group or dist.group.WORLD
+    return layers
+
+
+def balance_loss(model):
+    """The load-balancing loss of the model's last training forward, summed over its MoE layers."""
+    return sum(layer.aux_loss for layer in moe_layers(model))
+
+
+def routing_stats(model):
+    """What the routers did since the last call, and reset: `expert_tokens`, for every training forward, every layer's
+    tokens per expert in the whole batch; `aux_loss`, the mean over forwards of the summed layers' aux loss;
+    `all_to_all_bytes`, the bytes this rank sent to and received from other ranks in the forwards' all-to-alls (their
+    backward moves as many again); `dropped`, the share of assignments over capacity."""
+    layers = moe_layers(model)
+    if not layers or not layers[0].stats["tokens"]:
+        return {}
+    tokens = torch.stack([torch.stack(layer.stats["tokens"]) for layer in layers], dim=1)  # (forwards, layers, E)
+    aux = torch.stack([torch.stack(layer.stats["aux"]) for layer in layers]).sum(0).mean()
+    stats = dict(expert_tokens=tokens.tolist(), aux_loss=aux.item(),
+                 all_to_all_bytes=sum(layer.stats["bytes"] for layer in layers),
+                 dropped=sum(layer.stats["dropped"] for layer in layers) / sum(layer.stats["assignments"]
+                                                                              for layer in layers))
+    for layer in layers:
+        layer.stats = dict(tokens=[], aux=[], bytes=0, dropped=0, assignments=0)
+    return stats
+
+
+def describe(stats, steps):
+    """One line of routing_stats(): the busiest expert's share against an even one, the aux loss, the bytes a step."""
+    tokens = torch.tensor(stats["expert_tokens"], dtype=torch.float64)
+    imbalance = (tokens.amax(-1) / tokens.mean(-1).clamp(min=1e-9)).mean().item()
+    line = (f"busiest expert {imbalance:.2f}x even | aux loss {stats['aux_loss']:.4f} | all-to-all "
+            f"{stats['all_to_all_bytes'] / steps / 2**20:.2f} MiB/step")
+    return line + (f" | dropped {stats['dropped']:.1%}" if stats["dropped"] else "")
+
+
+def require_ep_fits(args, world_size):
+    """Stop with one line, before any process group forms, when expert_parallel.py's --ep or --top_k cannot split the
+    job: the processes must form whole ep groups, each rank must hold as many experts as the others, and a token
+    cannot go to more experts than there are."""
+    experts = size_of(args.workload).experts
+    if world_size % args.ep or experts % args.ep:
+        raise SystemExit(f"error: --ep {args.ep} must divide the number of processes ({world_size}) and of experts "
+                         f"({experts}): the processes form groups of {args.ep}, each holding {experts}/{args.ep} of "
+                         "every layer's experts")
+    if args.top_k > experts:
+        raise SystemExit(f"error: --top_k {args.top_k} is more than the {experts} experts a token can go to")
+
+
+def whole_grad_norm(model, ep_group):
+    """The norm of the whole model's gradient, on every rank of `ep_group`, whose ranks hold different experts: the
+    squares of the experts' gradients added up over the group, those of the rest (the same on every rank) once."""
+    experts = [p.grad for name, p in model.named_parameters() if ".experts." in name and p.grad is not None]
+    rest = [p.grad for name, p in model.named_parameters() if ".experts." not in name and p.grad is not None]
+    squares = torch.nn.utils.get_total_norm(experts) ** 2 if experts else torch.zeros(())
+    dist.all_reduce(squares, group=ep_group)
+    return (squares + torch.nn.utils.get_total_norm(rest) ** 2).sqrt()
