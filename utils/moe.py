@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from utils.gpt import MLP, size_of, unwrap
+from utils.gpt import MLP, size_of
 
 
 class Experts(nn.ModuleDict):
@@ -50,8 +50,9 @@ class MoE(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         tokens = x.reshape(B * T, C)
-        with torch.autocast(x.device.type, enabled=False):  # the router in fp32: bf16 would tie the scores
-            probs = F.softmax(self.router(tokens.float()), dim=-1)  # (N, E)
+        # The router in its weights' precision (fp32 under bf16 autocast: bf16 would tie the scores of close experts).
+        with torch.autocast(x.device.type, enabled=False):
+            probs = F.softmax(self.router(tokens.to(self.router.weight.dtype)), dim=-1)  # (N, E)
         gates, chosen = probs.topk(self.top_k, dim=-1)  # (N, k): each token's experts and their weights
         # The N x k assignments sorted by expert (stably: within an expert, in token order).
         order = chosen.flatten().argsort(stable=True)
@@ -121,8 +122,8 @@ class AllToAll(torch.autograd.Function):
 
 
 def moe_layers(model):
-    """The MoE layers of a GPT (or of DDP of one)."""
-    return [module for module in unwrap(model).modules() if isinstance(module, MoE)]
+    """The MoE layers of a model (a GPT, DDP of one, or a layer alone)."""
+    return [module for module in model.modules() if isinstance(module, MoE)]
 
 
 def split_experts(model, ep_group, batch_group=None):
