@@ -72,7 +72,8 @@ class Trainer:
                 weight.register_hook(lambda grad: grad / mesh["ep"].size())
             self.syncs.append(layer.experts)
         # DDP broadcasts rank 0's weights, then averages the gradients of the rest (attention, routers...) over all.
-        DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in model.named_parameters() if "expert" in n])
+        experts = [name for name, _ in model.named_parameters() if ".experts." in name]
+        DDP._set_params_and_buffers_to_ignore_for_model(model, experts)
         self.model = DDP(self.model, device_ids=ids)
         self.syncs.append(self.model)
 
@@ -94,8 +95,8 @@ class Trainer:
         return epochs_run
 
     def _run_batch(self, source, targets, micro_batches, last):
-        # All but the last micro-batch of a step run inside no_sync(), the forward too (DDP arms its all-reduce
-        # there): their gradients add up locally and backward all-reduces once per optimizer step, not K times.
+        # All but the last micro-batch of a step run inside every DDP's no_sync(), the forward too (DDP arms its
+        # all-reduce there): their gradients add up locally and backward all-reduces once per optimizer step.
         with contextlib.ExitStack() as unsynced:
             for ddp in [] if last else self.syncs:
                 unsynced.enter_context(ddp.no_sync())

@@ -327,6 +327,14 @@ def test_an_option_it_cannot_run_stops_with_one_line_before_anything_starts(monk
     assert re.search(rf"expert_parallel.py: error: argument {option}: ", capsys.readouterr().err.splitlines()[-1])
 
 
+@pytest.mark.parametrize("step", ["gpt.py", "tensor_parallel.py", "pipeline_parallel.py", "context_parallel.py"])
+def test_the_dense_gpt_steps_refuse_the_mixture_of_experts_with_one_line(monkeypatch, step):
+    """Their loop has no load-balancing loss (and step 7's plan no experts): they point to step 10."""
+    assert str(stopped_as_rank_0(monkeypatch, step, 2, "--workload", "gpt-moe-cpu")) == (
+        "error: --workload gpt-moe-cpu is the mixture-of-experts GPT: expert_parallel.py (step 10) trains it, with the "
+        "load-balancing loss its routers need")
+
+
 # --- on GPUs ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -279,10 +279,19 @@ def require_same_start(epochs_run, device):
                          "--snapshot_path on storage that every node shares")
 
 
+def require_dense_gpt(args):
+    """Stop with one line, before any process group forms, when a GPT step that does not add the load-balancing loss
+    (all but expert_parallel.py, which has --aux_weight) is given the mixture-of-experts GPT."""
+    if "moe" in args.workload and not hasattr(args, "aux_weight"):
+        raise SystemExit(f"error: --workload {args.workload} is the mixture-of-experts GPT: expert_parallel.py (step "
+                         "10) trains it, with the load-balancing loss its routers need")
+
+
 def require_tp_fits(args, world_size):
     """Stop with one line, before any process group forms, when tensor_parallel.py's `--tp` cannot split the job: the
     processes must form whole tp groups, and each block's attention heads must split evenly over a group (a rank
     computes heads/tp of them). The heads are those of the GPT size that `--workload` trains here."""
+    require_dense_gpt(args)  # its plan splits one MLP per block, not experts
     tp, heads = args.tp, size_of(args.workload).n_head
     if world_size % tp or heads % tp:
         raise SystemExit(f"error: --tp {tp} must divide the number of processes ({world_size}) and of attention heads "

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from utils.gpt import DROPOUT_VARIABLE, decode, encode, flops_per_token, unwrap
-from utils.helpers import positive_number, probability
+from utils.helpers import positive_number, probability, require_dense_gpt
 
 
 class WarmupCosine:
@@ -153,7 +153,9 @@ def check_options(args):
     """Stop with one line, before the process group forms, when an option of a GPT step cannot run here or a variable
     that stands in for an option holds no usable value: fp16 without CUDA, a --grad_clip that is not above 0 (it
     would freeze the model, or train it backwards), --compile without a compiler, $TUTORIAL_GPT_DROPOUT or
-    $TUTORIAL_PEAK_TFLOPS that is not a number in its range."""
+    $TUTORIAL_PEAK_TFLOPS that is not a number in its range; the mixture-of-experts GPT in a step that does not add its
+    load-balancing loss (all but expert_parallel.py, which has --aux_weight)."""
+    require_dense_gpt(args)
     if args.precision == "fp16" and not torch.cuda.is_available():
         raise SystemExit("error: --precision fp16 needs a CUDA GPU (its gradient scaler is for GPUs); on a CPU use "
                          "--precision bf16")
