@@ -183,6 +183,22 @@ def test_the_demo_trains_the_gpt_with_each_sequence_split_over_two_ranks(demo_ru
     assert len({tuple(row["indices"]) for row in job.samples if row["epoch"] == 0}) == 1, "both read the same sequences"
 
 
+@pytest.mark.slow
+def test_the_demo_trains_the_mixture_of_experts_with_its_experts_split_over_two_ranks(demo_run):
+    """Step 10: an ep group of both ranks (one dp group), each with its own samples and half of every layer's experts,
+    the tokens sent between them; every rank writes its part of the sharded snapshot."""
+    job = demo_run["jobs"]["expert_parallel.py"]
+    assert job.ok and sorted(job.losses) == [0] and output.samples(job.output), job.output
+    moved = re.search(r"epoch 0 \| steps \d+ \| loss [\d.]+ \| .* \| all-to-all ([\d.]+) MiB/step", job.output)
+    assert moved and float(moved[1]) > 0, job.output
+    assert sorted(path.name for path in (demo_run["run_dir"] / "ep_snapshot").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"], "every rank wrote its part"
+    assert job.writes == [], "no torch.save: the snapshot is sharded"
+    epoch_0 = {row["rank"]: row for row in job.samples if row["epoch"] == 0}
+    assert {rank: row["mesh"] for rank, row in epoch_0.items()} == {0: {"dp": 0, "ep": 0}, 1: {"dp": 0, "ep": 1}}
+    assert not set(epoch_0[0]["indices"]) & set(epoch_0[1]["indices"]), "ep ranks train on samples of their own"
+
+
 # --- what DDP's gradient averaging means ----------------------------------------------------------------------------
 
 def train_in_one_process(batch_size, epochs=EPOCHS):

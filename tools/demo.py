@@ -91,6 +91,12 @@ def main():
                                        torchrun("context_parallel.py", 1, 1, "--context", 128, "--cp",
                                                 min(GPUS, 2) or 2, *(["--precision", "bf16"] if GPUS else []),
                                                 nproc=min(GPUS, 2) or 2), timeout=args.timeout)
+    # One epoch of the help pages: every block's MLP as experts, each of 2 ranks holding half of them (--ep 2), the
+    # tokens sent to their experts' rank and back by all-to-all; its sharded snapshot goes to ep_snapshot/.
+    jobs["expert_parallel.py"] = show("Step 10: a mixture of experts, each of 2 ranks holding half of them",
+                                      torchrun("expert_parallel.py", 1, 1, "--ep", min(GPUS, 2) or 2,
+                                               *(["--precision", "bf16"] if GPUS else []),
+                                               nproc=min(GPUS, 2) or 2), timeout=args.timeout)
 
     fault = show("Step 3 under fire: a worker SIGKILLed, torchrun restarts the group, the job resumes",
                  python("tools/fault_demo.py", "--timeout", args.timeout), timeout=args.timeout + 30, narrated=True)

@@ -149,8 +149,9 @@ def balance_loss(model):
 def routing_stats(model):
     """What the routers did since the last call, and reset: `expert_tokens`, for every training forward, every layer's
     tokens per expert in the whole batch; `aux_loss`, the mean over forwards of the summed layers' aux loss;
-    `all_to_all_bytes`, the bytes this rank sent to and received from other ranks in the forwards' all-to-alls (their
-    backward moves as many again); `dropped`, the share of assignments over capacity."""
+    `all_to_all_bytes`, the bytes this rank sent to other ranks in the forwards' two all-to-alls, the tokens out and
+    the outputs back (it received as many; backward moves as many again); `dropped`, the share of assignments over
+    capacity."""
     layers = moe_layers(model)
     if not layers or not layers[0].stats["tokens"]:
         return {}
