@@ -1,5 +1,6 @@
-"""What each way of training the same GPT communicates per optimizer step: DDP, FSDP, TP, 2D (FSDP x TP) and CP, on
-the same ranks and the same global batch; and the tokens/s each reaches here, in the same run.
+"""What each way of training the same GPT communicates per optimizer step: DDP, FSDP, TP, 2D (FSDP x TP), CP and EP
+(on the GPT's mixture-of-experts version), on the same ranks and the same global batch; and the tokens/s each reaches
+here, in the same run.
 
     python benchmarks/communication.py                    # 4 CPU processes (gloo), the CPU-size GPT
     python benchmarks/communication.py --size gpu --steps 2   # the GPU size: nanoGPT's 10.8M weights (slow)
@@ -8,9 +9,17 @@ The N processes (one CPU thread each) train the GPT the way the steps wrap it: D
 on each block and the root (step 5, fsdp.py); tensor_parallel.py's PLAN on each block over a tp group of all N ranks,
 then fully_shard over the remaining dp dimension of one rank (--tp N); the 2D layout dp 2 x tp N/2; and CP as
 context_parallel.py (step 9) trains it: DDP over all ranks, each sequence split over a cp group of all N ranks (rank r
-holds chunks r and 2N-1-r of 2N, utils.context.split_sequence), keys and values passed around the ring. Every layout
-takes the same global batch (--batch_size sequences per optimizer step: N/1, N/2 or 1 share of it per rank; a CP rank
-reads all of them and keeps its chunks' positions of each).
+holds chunks r and 2N-1-r of 2N, utils.context.split_sequence), keys and values passed around the ring. EP trains
+the mixture-of-experts GPT of the same size (gpt-moe-cpu: every block's MLP as 4 experts, 8 at the GPU size, each
+token sent to its top 2) as expert_parallel.py (step 10) wraps it, on a (dp, ep) mesh: each rank keeps 1/ep of every
+layer's experts (utils.moe.split_experts); per layer the counts, the tokens and, back, the experts' outputs travel by
+all-to-all, and backward sends the tokens' gradients both ways; each layer's experts are a DDP over dp, the rest a
+DDP over all ranks. Each layer's forward also all-reduces its tokens per expert over all ranks (E numbers: the
+batch's load, for the load-balancing loss, which is itself left out here: it adds no communication). EP is ep N,
+"EP 2D" dp 2 x ep N/2, and "MoE DDP" is DDP(model) of the same mixture of experts, every rank holding all of it: the
+all-reduce that EP shrinks. Every layout takes the same global batch (--batch_size sequences per optimizer step: N/1,
+N/2 or 1 share of it per rank; a CP rank reads all of them and keeps its chunks' positions of each; an EP rank reads
+its own, as a DDP rank does).
 
 Counts come from torch's own instrument, CommDebugMode (torch.distributed.tensor.debug): a dispatch mode that sees
 every collective a rank calls, c10d's (DDP's all-reduces, FSDP's all-gathers and reduce-scatters) and DTensor's
@@ -18,9 +27,11 @@ functional ones (TP's all-reduces). It does not count point-to-point ops, which 
 (batch_isend_irecv's isend and irecv): the same dispatch mode sees them as c10d's send and recv_ ops, and each send is
 noted here as one "send/recv" (a rank sends a block to the next rank as it receives one from the previous; the
 receive is its peer's send, counted there). Each collective's buffer is weighed (the whole tensor: an all-gather's
-output, a reduce-scatter's input, a send's block) and named by its process group (dp, tp, cp, or all ranks). "Sent per
-rank" is what a ring algorithm sends for that buffer: 2(n-1)/n of it for an all-reduce, (n-1)/n for an all-gather or
-a reduce-scatter over n ranks, all of it for a send; a group of one rank sends nothing. One step after two warm-up
+output, a reduce-scatter's input, a send's block) and named by its process group (dp, tp, cp, ep or all ranks). "Sent
+per rank" is what a ring algorithm sends for that buffer: 2(n-1)/n of it for an all-reduce, (n-1)/n for an all-gather
+or a reduce-scatter over n ranks, all of it for a send; a group of one rank sends nothing. An all-to-all's is what
+rank 0 sends to the other ranks (its input less its own split): the tokens' splits follow the routers' choices, so
+EP's figure depends on the data and the weights, and differs from rank to rank. One step after two warm-up
 steps is counted; the forward and backward of the counted step are told apart. Timed steps: the best of --rounds
 rounds of --steps steps, the layouts taking turns round after round (other work only ever slows a turn down).
 """
@@ -42,13 +53,14 @@ sys.path.insert(0, str(REPO))  # run as `python benchmarks/communication.py` fro
 from tools.jobs import free_port, machine_summary, spawned_result  # noqa: E402
 from utils import exit_without_teardown, positive_int  # noqa: E402
 
-LAYOUTS = ["DDP", "FSDP", "TP", "2D", "CP"]
+MOE_LAYOUTS = ["MoE DDP", "EP", "EP 2D"]  # the mixture-of-experts GPT: DDP of it whole, then its experts split
+LAYOUTS = ["DDP", "FSDP", "TP", "2D", "CP", *MOE_LAYOUTS]
 KINDS = {"allreduce_": "all-reduce", "all_reduce": "all-reduce", "_allgather_base_": "all-gather",
          "allgather_into_tensor_coalesced_": "all-gather", "all_gather_into_tensor": "all-gather",
          "all_gather_into_tensor_coalesced": "all-gather", "_reduce_scatter_base_": "reduce-scatter",
          "reduce_scatter_tensor_coalesced_": "reduce-scatter", "reduce_scatter_tensor": "reduce-scatter",
          "reduce_scatter_tensor_coalesced": "reduce-scatter", "broadcast_": "broadcast", "broadcast": "broadcast",
-         "send": "send/recv"}
+         "alltoall_base_": "all-to-all", "send": "send/recv"}
 
 
 def group_name(arg):
@@ -65,10 +77,20 @@ def group_name(arg):
     return arg if isinstance(arg, str) else None
 
 
+def sent_to_others(args):
+    """The bytes an all_to_all_single (c10d's alltoall_base_: output, input, group, output splits, input splits) sends
+    to the other ranks of its group: its input less the rows it keeps, its own split (even ones when none are given)."""
+    from torch.distributed import ProcessGroup
+
+    source, group, splits = args[1], ProcessGroup.unbox(args[2]), args[4]
+    rows = splits or [len(source) // group.size()] * group.size()
+    return (len(source) - rows[group.rank()]) * source[0].numel() * source.element_size() if len(source) else 0
+
+
 def counting_mode(groups):
     """A CommDebugMode that also notes, per collective and per point-to-point send, its kind, its process group
-    (`groups`: group name -> ("dp", "tp", "cp" or "all", its size in ranks)), its buffer's bytes and whether backward
-    ran it."""
+    (`groups`: group name -> ("dp", "tp", "cp", "ep" or "all", its size in ranks)), its buffer's bytes (and an
+    all-to-all's bytes sent to other ranks) and whether backward ran it."""
     import torch
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.utils._pytree import tree_leaves
@@ -86,19 +108,21 @@ def counting_mode(groups):
                 name = next(name for name in map(group_name, tree_leaves(args)) if name in groups)
                 tensors = [leaf for leaf in tree_leaves((args, out)) if isinstance(leaf, torch.Tensor)]
                 label, size = groups[name]
+                kind = KINDS.get(func._overloadpacket.__name__, func._overloadpacket.__name__)
                 self.collectives.append(dict(
-                    kind=KINDS.get(func._overloadpacket.__name__, func._overloadpacket.__name__),
-                    group=label, ranks=size, backward=self.advanced_module_tracker.is_bw,
-                    bytes=max(t.numel() * t.element_size() for t in tensors)))
+                    kind=kind, group=label, ranks=size, backward=self.advanced_module_tracker.is_bw,
+                    bytes=max(t.numel() * t.element_size() for t in tensors),
+                    **(dict(sent=sent_to_others(args)) if kind == "all-to-all" else {})))
             return out
 
     return WeighingCommDebugMode()
 
 
 def wrapped(layout, world_size, size, text_path):
-    """The GPT of `size` ("cpu" or "gpu"; dropout 0) wrapped as `layout`: (its workload, the wrapped model, its
-    optimizer, {group name: (label, ranks)}, the number of dp ranks, and a context manager inside which the model
-    trains: CP's split of each sequence, which yields the positions this rank takes; else one that yields None)."""
+    """The GPT of `size` ("cpu" or "gpu"; dropout 0; its mixture-of-experts version for EP) wrapped as `layout`: (its
+    workload, the wrapped model, its optimizer, {group name: (label, ranks)}, the mesh's number of dp ranks, the number
+    of ranks that read different sequences, and a context manager inside which the model trains: CP's split of each
+    sequence, which yields the positions this rank takes; else one that yields None)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -108,11 +132,30 @@ def wrapped(layout, world_size, size, text_path):
     from tensor_parallel import PLAN
     from utils import make_workload
     from utils.context import split_sequence
+    from utils.moe import moe_layers, split_experts
 
-    workload = make_workload(f"gpt-{size}", text=text_path, dropout=0)
+    workload = make_workload(f"gpt-moe-{size}" if layout in MOE_LAYOUTS else f"gpt-{size}", text=text_path,
+                             dropout=0)
     model, groups = workload.model, {dist.group.WORLD.group_name: ("all", world_size)}
-    if layout == "DDP":
-        return workload, DDP(model), workload.optimizer, groups, world_size, contextlib.nullcontext()
+    if layout in ("DDP", "MoE DDP"):
+        return workload, DDP(model), workload.optimizer, groups, world_size, world_size, contextlib.nullcontext()
+    if layout in MOE_LAYOUTS:  # as expert_parallel.py: a (dp, ep) mesh, each rank 1/ep of every layer's experts
+        ep = world_size if layout == "EP" else world_size // 2
+        mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+        # An ep dimension of all ranks is the default group itself, as with CP: a group of its own over the same
+        # ranks gives the all-to-alls a name apart from DDP's all-reduce.
+        ep_group = dist.new_group(list(range(world_size))) if ep == world_size else mesh["ep"].get_group()
+        groups.update({ep_group.group_name: ("ep", ep), mesh["dp"].get_group().group_name: ("dp", world_size // ep)})
+        split_experts(model, ep_group)
+        # Each layer's experts: a DDP over their dp copies, the gradient / ep (the mean over all ranks, as the rest's).
+        for layer in moe_layers(model):
+            layer.experts = DDP(layer.experts, process_group=mesh["dp"].get_group())
+            for weight in layer.experts.parameters():
+                weight.register_hook(lambda grad: grad / ep)
+        experts = [name for name, _ in model.named_parameters() if "expert" in name]
+        DDP._set_params_and_buffers_to_ignore_for_model(model, experts)  # the rest: DDP over all ranks
+        return (workload, DDP(model), workload.make_optimizer(model), groups, world_size // ep, world_size,
+                contextlib.nullcontext())
     if layout == "CP":  # as context_parallel.py with dp 1: DDP over all ranks, the balanced split, the ring
         # A group of its own over all ranks, where context_parallel.py's mesh would hand out the default group itself:
         # the same ranks, but a name of its own, so that the table tells the ring's sends from DDP's all-reduce.
@@ -120,7 +163,7 @@ def wrapped(layout, world_size, size, text_path):
         groups[cp.group_name] = ("cp", world_size)
         chunks_by_rank = [[r, 2 * world_size - 1 - r] for r in range(world_size)]
         model = DDP(model)
-        return workload, model, workload.optimizer, groups, 1, split_sequence(model, cp, chunks_by_rank, "ring")
+        return workload, model, workload.optimizer, groups, 1, 1, split_sequence(model, cp, chunks_by_rank, "ring")
     tp = {"FSDP": 1, "TP": world_size, "2D": world_size // 2}[layout]
     mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
     groups.update({mesh[dim].get_group().group_name: (dim, mesh[dim].size()) for dim in ("tp", "dp")})
@@ -128,7 +171,8 @@ def wrapped(layout, world_size, size, text_path):
         parallelize_module(block, mesh["tp"], PLAN)
     for module in [*model.children(), model]:
         fully_shard(module, mesh=mesh["dp"])
-    return workload, model, workload.make_optimizer(model), groups, world_size // tp, contextlib.nullcontext()
+    return (workload, model, workload.make_optimizer(model), groups, world_size // tp, world_size // tp,
+            contextlib.nullcontext())
 
 
 def worker(rank, world_size, args, text_path, result_path):
@@ -142,10 +186,10 @@ def worker(rank, world_size, args, text_path, result_path):
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout))
     runs, splits = {}, contextlib.ExitStack()  # CP's model stays split until the timed rounds are over
     for layout in LAYOUTS:
-        workload, model, optimizer, groups, dp, split = wrapped(layout, world_size, args.size, text_path)
+        workload, model, optimizer, groups, dp, readers, split = wrapped(layout, world_size, args.size, text_path)
         positions = splits.enter_context(split)
-        share = args.batch_size // dp  # sequences per rank; the ranks of a tp or cp group take the same ones
-        start = (rank // (world_size // dp)) * share
+        share = args.batch_size // readers  # sequences per rank; the ranks of a tp or cp group take the same ones
+        start = (rank // (world_size // readers)) * share
         source, targets = (t[start:start + share] for t in workload.train_set[:args.batch_size])
         if positions is not None:  # a cp rank keeps its chunks of each sequence
             source, targets = source[:, positions], targets[:, positions]
@@ -182,8 +226,10 @@ def worker(rank, world_size, args, text_path, result_path):
 
 def sent_per_rank(collective):
     """Bytes one rank sends for a collective with a ring algorithm (what NCCL and gloo use for large buffers); a
-    point-to-point send sends its whole buffer."""
+    point-to-point send sends its whole buffer, an all-to-all what it counted for the other ranks."""
     n = collective["ranks"]
+    if collective["kind"] == "all-to-all":
+        return collective["sent"]
     if collective["kind"] == "send/recv":
         return collective["bytes"] if n > 1 else 0.0
     share = (n - 1) / n if n > 1 else 0.0
@@ -199,7 +245,8 @@ def summary(results, world_size):
             where = collective["group"] if collective["ranks"] > 1 else "alone"
             counts[(collective["kind"], where, collective["backward"])] += 1
             sent[where] += sent_per_rank(collective)
-        inner = "cp" if layout == "CP" else "tp"  # the mesh's other dimension: what shares a sequence or a matrix
+        # The mesh's other dimension: what shares a sequence, a matrix or a layer's experts.
+        inner = "cp" if layout == "CP" else "ep" if layout in MOE_LAYOUTS else "tp"
         rows.append(dict(layout=layout, mesh=f"dp {result['dp']} x {inner} {world_size // result['dp']}",
                          counts=dict(counts), sent={where: value / 2**20 for where, value in sent.items()},
                          tokens_per_s=result["tokens_per_s"]))
@@ -234,13 +281,16 @@ def main():
     parser.add_argument("--chars", default=60_000, type=positive_int, help="Characters of Python's help pages")
     parser.add_argument("--timeout", default=600, type=positive_int, help="Seconds before the run is stopped")
     args = parser.parse_args()
-    from utils.gpt import SIZES, help_pages
+    from utils.gpt import SIZES, help_pages, size_of
 
     heads, context = SIZES[args.size].n_head, SIZES[args.size].context
-    if args.nproc % 2 or args.batch_size % args.nproc or heads % args.nproc or context % (2 * args.nproc):
-        sys.exit(f"error: --nproc must be even (2D is dp 2 x tp nproc/2) and divide --batch_size and the "
-                 f"{args.size}-size GPT's {heads} heads (TP alone splits them over all the processes), and 2 x "
-                 f"--nproc its context of {context} (CP cuts each sequence into 2 x nproc chunks)")
+    moe = size_of(f"gpt-moe-{args.size}")
+    if (args.nproc % 2 or args.batch_size % args.nproc or heads % args.nproc or context % (2 * args.nproc)
+            or moe.experts % args.nproc):
+        sys.exit(f"error: --nproc must be even (2D is dp 2 x tp nproc/2) and divide --batch_size, the "
+                 f"{args.size}-size GPT's {heads} heads (TP alone splits them over all the processes) and its "
+                 f"{moe.experts} experts per layer (EP alone splits them over all the processes), and 2 x --nproc "
+                 f"its context of {context} (CP cuts each sequence into 2 x nproc chunks)")
 
     print(f"{machine_summary()}; {args.nproc} processes, one thread each; the {args.size}-size GPT, "
           f"{args.batch_size} sequences per optimizer step")
@@ -252,6 +302,9 @@ def main():
         results = spawned_result(worker, (args.nproc, args, str(text_path)), args.nproc, args.timeout,
                                  f"{args.nproc} processes")
     print(table(summary(results, args.nproc)))
+    print(f"EP: the mixture-of-experts GPT of the same size, {moe.experts} experts per layer, each token to its top "
+          f"{moe.top_k}; its all-to-alls' count is fixed, their bytes are rank 0's and depend on the routing (data-"
+          f"dependent): the tokens this batch's routers sent to experts on other ranks, and took in for its own")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 

@@ -74,12 +74,15 @@ for row in output.slices(job.output):
               f"stored {row['stored']}")"""),
     new_markdown_cell("""## Communication per optimizer step
 
-`benchmarks/communication.py` wraps the same GPT four ways on 4 processes, runs one optimizer step of the same global
+`benchmarks/communication.py` wraps the same GPT several ways on 4 processes, runs one optimizer step of the same global
 batch under torch's `CommDebugMode` (which sees every collective each rank calls) and weighs every collective's
 buffer. DDP all-reduces the gradients once per step (in buckets: one, for a model this small); FSDP all-gathers each
 block's weights before its forward and again before its backward, and reduce-scatters its gradients; TP all-reduces
 *activations* twice per block in the forward and twice in the backward, on the critical path of every layer; 2D does
-both, each over its own group. Its tokens/s here say little: 4 processes share 2 cores (see the load average)."""),
+both, each over its own group. The last three rows train step 10's mixture-of-experts GPT: DDP of it whole, then
+its experts split over ep ranks, which send each layer's tokens to their experts and back by all-to-all (how many
+bytes depends on where the routers send the tokens; how many all-to-alls does not). The tokens/s here say little: 4
+processes share 2 cores (see the load average)."""),
     new_code_cell("""quick = ["--steps", 1, "--rounds", 1, "--chars", 20000]  # the counts need one step, timings more
 bench = run([PYTHON, script("benchmarks/communication.py"), *quick], cwd=scratch("communication"), timeout=300,
             shared=True)  # made once in the test suite, with tests/test_benchmarks.py's
@@ -88,7 +91,7 @@ print(bench.output)"""),
 for line in bench.output.splitlines():
     if line.startswith("| ") and not line.startswith("| layout"):
         layout, mesh, collectives = (cell.strip() for cell in line.strip("|").split("|")[:3])
-        print(f"{layout:4} ({mesh}): {collectives}")"""),
+        print(f"{layout:7} ({mesh}): {collectives}")"""),
 ]
 
 

@@ -138,13 +138,15 @@ def test_gpt_scaling_reports_each_grad_accum_against_the_ceiling_and_the_goal(tm
     assert is_png(plot)
 
 
-def collective(kind, group, ranks, backward, mib):
-    return dict(kind=kind, group=group, ranks=ranks, backward=backward, bytes=mib * 2**20)
+def collective(kind, group, ranks, backward, mib, sent_mib=None):
+    return dict(kind=kind, group=group, ranks=ranks, backward=backward, bytes=mib * 2**20,
+                **({} if sent_mib is None else dict(sent=sent_mib * 2**20)))
 
 
 def test_communication_counts_collectives_by_kind_group_and_pass_and_weighs_what_a_ring_sends():
     """A ring sends 2(n-1)/n of an all-reduce's buffer and (n-1)/n of an all-gather's or a reduce-scatter's, a
-    point-to-point send all of its own; a group of one rank sends nothing and is left out."""
+    point-to-point send all of its own, an all-to-all what it counted for the other ranks (not its buffer); a group of
+    one rank sends nothing and is left out."""
     communication = benchmark("communication")
     results = {
         "DDP": dict(dp=4, tokens_per_s=1234.0, collectives=[collective("all-reduce", "all", 4, True, 4)] * 2),
@@ -154,6 +156,11 @@ def test_communication_counts_collectives_by_kind_group_and_pass_and_weighs_what
             collective("all-reduce", "tp", 2, False, 1), collective("all-gather", "dp", 2, False, 1)]),
         "CP": dict(dp=1, tokens_per_s=4321.0, collectives=[collective("send/recv", "cp", 4, False, 0.5)] * 3 + [
             collective("all-reduce", "all", 4, True, 4)] + [collective("send/recv", "cp", 4, True, 0.5)] * 7),
+        "EP": dict(dp=1, tokens_per_s=2345.0, collectives=[
+            collective("all-to-all", "ep", 4, False, 1, sent_mib=0.75),
+            collective("all-to-all", "ep", 4, False, 2, sent_mib=1.5),
+            collective("all-reduce", "all", 4, True, 2), collective("all-reduce", "dp", 1, True, 8),
+            collective("all-to-all", "ep", 4, True, 2, sent_mib=1.25)]),
     }
     assert table_rows(communication.table(communication.summary(results, world_size=4))) == [
         "| DDP | dp 4 x tp 1 | 2 all-reduce over all (bwd) | 12.00 (all) | 1,234 |",
@@ -162,7 +169,10 @@ def test_communication_counts_collectives_by_kind_group_and_pass_and_weighs_what
         "| 2.00 (dp) + 1.00 (tp) | 5,678 |",
         # 10 sends of 0.5 MiB, each sent whole
         "| CP | dp 1 x cp 4 | 3 send/recv over cp (fwd), 1 all-reduce over all (bwd), 7 send/recv over cp (bwd) "
-        "| 6.00 (all) + 5.00 (cp) | 4,321 |"]
+        "| 6.00 (all) + 5.00 (cp) | 4,321 |",
+        # 0.75 + 1.5 + 1.25 MiB sent by the all-to-alls; the experts' all-reduce over a dp of one rank left out
+        "| EP | dp 1 x ep 4 | 2 all-to-all over ep (fwd), 1 all-reduce over all (bwd), 1 all-to-all over ep (bwd) "
+        "| 3.00 (all) + 3.50 (ep) | 2,345 |"]
 
 
 def passes(*spans):
@@ -339,15 +349,20 @@ def test_communication_counts_each_layouts_collectives_per_optimizer_step(tmp_pa
     visits the 3 others), 3 again in the backward and 4 of their gradients (home after a whole turn), on top of DDP's
     all-reduce. A block: K and V of 16 sequences x 4 heads x 16 positions x 16 dimensions in float32, 0.125 MiB;
     20 of them are 2.50 MiB.
+    EP, the mixture-of-experts GPT (2 MoE layers): in each layer's forward one all-reduce of its tokens per expert over
+    all ranks and three all-to-alls over ep (the counts, the tokens, the outputs back), in its backward two (the
+    tokens' gradients both ways), whatever the routing; what they send depends on it, but is more than nothing. The
+    rest's DDP all-reduces less than the whole MoE GPT's DDP (MoE DDP): the experts are not in it. EP 2D adds each
+    layer's experts' all-reduce over dp 2; EP's, over a dp of one rank, sends nothing.
     A job of its own, not run_benchmark: notebooks/07_tensor_parallel.ipynb runs the same one, so in a test session
     it runs once (shared)."""
     text = run([PYTHON, script("benchmarks/communication.py"), "--steps", 1, "--rounds", 1, "--chars", 20000],
                cwd=tmp_path, timeout=300, shared=True).output
     rows = {row[0]: row[1:] for row in re.findall(
-        r"^\| (\w+) \| (dp \d x (?:tp|cp) \d) \| (.+?) \| (.+?) \| ([\d,]+) \|$", text, re.M)}
-    assert list(rows) == ["DDP", "FSDP", "TP", "2D", "CP"], text
+        r"^\| (\w+(?: \w+)?) \| (dp \d x (?:tp|cp|ep) \d) \| (.+?) \| (.+?) \| ([\d,]+) \|$", text, re.M)}
+    assert list(rows) == ["DDP", "FSDP", "TP", "2D", "CP", "MoE DDP", "EP", "EP 2D"], text
     assert [mesh for mesh, *_ in rows.values()] == ["dp 4 x tp 1", "dp 4 x tp 1", "dp 1 x tp 4", "dp 2 x tp 2",
-                                                    "dp 1 x cp 4"]
+                                                    "dp 1 x cp 4", "dp 4 x ep 1", "dp 1 x ep 4", "dp 2 x ep 2"]
     assert re.fullmatch(r"\d all-reduce over all \(bwd\)", rows["DDP"][1]), rows["DDP"]
     fsdp = "4 all-gather over dp (fwd), 4 all-gather over dp (bwd), 4 reduce-scatter over dp (bwd)"
     tp = "4 all-reduce over tp (fwd), 4 all-reduce over tp (bwd)"
@@ -358,6 +373,15 @@ def test_communication_counts_each_layouts_collectives_per_optimizer_step(tmp_pa
     assert re.fullmatch(r"6 send/recv over cp \(fwd\), \d all-reduce over all \(bwd\), 14 send/recv over cp \(bwd\)",
                         rows["CP"][1]), rows["CP"]
     assert re.fullmatch(r"[\d.]+ \(all\) \+ 2\.50 \(cp\)", rows["CP"][2]), rows["CP"]
+    assert re.fullmatch(r"\d all-reduce over all \(bwd\)", rows["MoE DDP"][1]), rows["MoE DDP"]
+    ep = ("2 all-reduce over all (fwd), 6 all-to-all over ep (fwd), 1 all-reduce over all (bwd), {}"
+          "4 all-to-all over ep (bwd)")
+    assert rows["EP"][1] == ep.format("") and rows["EP 2D"][1] == ep.format("2 all-reduce over dp (bwd), "), text
+    whole = float(re.fullmatch(r"([\d.]+) \(all\)", rows["MoE DDP"][2])[1])
+    for layout, groups in [("EP", r"\(all\) \+ "), ("EP 2D", r"\(all\) \+ [\d.]+ \(dp\) \+ ")]:
+        rest, tokens = map(float, re.fullmatch(rf"([\d.]+) {groups}([\d.]+) \(ep\)", rows[layout][2]).groups())
+        assert 0 < rest < whole and tokens > 0, rows[layout]
+    assert "depend on the routing (data-dependent)" in text
 
 
 def attention_rank(scores, ms, saved_mib, kv_mib, peak_mib):
