@@ -1,6 +1,8 @@
 """What a correct run of a step shows: assertions that several test files make about a finished job, the sharded
-snapshots of steps 5, 7 and 8 read back whole, and a step's checks before its process group, run in the test's
+snapshots of steps 5, 7, 8 and 10 read back whole, each epoch's loss over every rank from the per-rank metrics, the
+largest difference between two sets of weights, and a step's checks before its process group, run in the test's
 process."""
+import json
 import runpy
 import sys
 import tempfile
@@ -52,6 +54,29 @@ def assert_bitwise_equal(actual, expected, where="snapshot"):
             assert_bitwise_equal(item, expected_item, f"{where}[{index}]")
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def rank_records(job):
+    """Every rank's per-epoch metrics records (TUTORIAL_RUN_DIR=runs in the job's folder), by epoch then rank; an epoch
+    a rank ran twice, before and after a restart, counts once: the last."""
+    by_epoch = {}
+    for path in (job.cwd / "runs").glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            by_epoch.setdefault(record["epoch"], {})[record["rank"]] = record
+    return by_epoch
+
+
+def epoch_losses(job):
+    """Each epoch's mean loss over every rank's tokens, unrounded, from the per-rank metrics files."""
+    return {epoch: sum(r["loss"] * r["samples"] for r in ranks.values()) / sum(r["samples"] for r in ranks.values())
+            for epoch, ranks in sorted(rank_records(job).items())}
+
+
+def farthest(actual, expected):
+    """The largest difference between two state_dicts' tensors, which must have the same names."""
+    assert actual.keys() == expected.keys()
+    return max((actual[name] - tensor).abs().max().item() for name, tensor in expected.items())
 
 
 def sharded_snapshot(folder):

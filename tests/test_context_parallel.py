@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from expect import stopped_as_rank_0
+from expect import epoch_losses, farthest, stopped_as_rank_0
 from tools.jobs import free_port, output, run, shared_file, torchrun, torchrun_node
 from tools.one_process import tensors, train_gpt
 from utils import evaluate, make_workload
@@ -81,23 +81,6 @@ def reference(text):
 
 def weights(job):
     return tensors(torch.load(job.cwd / SNAPSHOT, weights_only=True)["MODEL_STATE"])
-
-
-def epoch_losses(job):
-    """Each epoch's mean loss over every rank's tokens, unrounded, from the per-rank metrics files (an epoch a rank
-    ran twice, before and after a restart, counts once: the last)."""
-    by_rank = {}
-    for path in (job.cwd / "runs").glob("rank*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            by_rank.setdefault(record["epoch"], {})[path.name] = record
-    return {epoch: sum(r["loss"] * r["samples"] for r in ranks.values()) / sum(r["samples"] for r in ranks.values())
-            for epoch, ranks in sorted(by_rank.items())}
-
-
-def farthest(actual, expected):
-    assert actual.keys() == expected.keys()
-    return max((actual[name] - tensor).abs().max().item() for name, tensor in expected.items())
 
 
 # --- a split sequence is one model ------------------------------------------------------------------------------------

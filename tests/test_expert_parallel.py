@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from expect import sharded_snapshot, stopped_as_rank_0
+from expect import epoch_losses, farthest, rank_records, sharded_snapshot, stopped_as_rank_0
 from tools.jobs import free_port, output, run, shared_file, spawned_result, torchrun, torchrun_node
 from tools.one_process import tensors, train_gpt
 from utils import evaluate, make_workload
@@ -102,28 +102,6 @@ def reference(text):
 def weights(job):
     """The whole model's weights from the job's snapshot, every rank's experts put together."""
     return tensors(sharded_snapshot(job.cwd / SNAPSHOT)["MODEL_STATE"])
-
-
-def rank_records(job):
-    """Every rank's per-epoch records, by epoch then rank (an epoch a rank ran twice, before and after a restart: the
-    last)."""
-    by_epoch = {}
-    for path in (job.cwd / "runs").glob("rank*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            by_epoch.setdefault(record["epoch"], {})[record["rank"]] = record
-    return by_epoch
-
-
-def epoch_losses(job):
-    """Each epoch's mean loss over every rank's tokens, unrounded, from the per-rank metrics files."""
-    return {epoch: sum(r["loss"] * r["samples"] for r in ranks.values()) / sum(r["samples"] for r in ranks.values())
-            for epoch, ranks in sorted(rank_records(job).items())}
-
-
-def farthest(actual, expected):
-    assert actual.keys() == expected.keys()
-    return max((actual[name] - tensor).abs().max().item() for name, tensor in expected.items())
 
 
 # --- experts spread over the ranks are one model ----------------------------------------------------------------------
