@@ -57,15 +57,17 @@ class MoE(nn.Module):
         # The N x k assignments sorted by expert (stably: within an expert, in token order).
         order = chosen.flatten().argsort(stable=True)
         counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
+        if self.training:  # the load the router asked for, before any drop: what the aux loss evens out
+            self._record(probs, counts)
         if self.capacity_factor > 0:  # keep each expert's first `capacity` assignments, drop the rest
             capacity = math.ceil(self.capacity_factor * len(tokens) * self.top_k / self.n_experts)
             starts = (counts.cumsum(0) - counts).repeat_interleave(counts)
-            order = order[torch.arange(len(order), device=x.device) - starts < capacity]
-            counts = counts.clamp(max=capacity)
-        if self.training:
-            self._record(probs, counts, len(chosen.flatten()))
+            kept = order[torch.arange(len(order), device=x.device) - starts < capacity]
+            self.stats["dropped"] += (len(order) - len(kept)) * self.training
+            order, counts = kept, counts.clamp(max=capacity)
         routed = tokens[order // self.top_k]
-        if torch.is_autocast_enabled(x.device.type):  # tokens travel in the precision the experts compute in: half the bytes
+        # The tokens travel in the precision the experts compute in: in bf16, half the bytes of fp32.
+        if torch.is_autocast_enabled(x.device.type):
             routed = routed.to(torch.get_autocast_dtype(x.device.type))
         outputs = self._dispatch(routed, counts)
         weighted = outputs * gates.flatten()[order, None]
@@ -90,7 +92,7 @@ class MoE(nn.Module):
         self.stats["bytes"] += (sum(send) - send[me] + sum(receive) - receive[me]) * routed.shape[1] * routed.itemsize
         return AllToAll.apply(outputs, send, receive, self.group)  # home, in the order they left
 
-    def _record(self, probs, counts, assignments):
+    def _record(self, probs, counts):
         """The aux loss and the load of this training forward. Switch Transformers' loss, E x sum_e f_e P_e: f_e, the
         share of the batch's assignments that expert e got; P_e, its mean router probability. Smallest (1) when both
         are uniform. f_e counts the whole batch (summed over `batch_group`, no gradient); P_e this rank's tokens: the
@@ -101,8 +103,7 @@ class MoE(nn.Module):
         self.aux_loss = self.n_experts * (load / load.sum().clamp(min=1) * probs.mean(0)).sum()
         self.stats["tokens"].append(load)
         self.stats["aux"].append(self.aux_loss.detach())
-        self.stats["assignments"] += assignments
-        self.stats["dropped"] += assignments - int(counts.sum())
+        self.stats["assignments"] += len(probs) * self.top_k
 
 
 class AllToAll(torch.autograd.Function):
@@ -148,10 +149,10 @@ def balance_loss(model):
 
 def routing_stats(model):
     """What the routers did since the last call, and reset: `expert_tokens`, for every training forward, every layer's
-    tokens per expert in the whole batch; `aux_loss`, the mean over forwards of the summed layers' aux loss;
-    `all_to_all_bytes`, the bytes this rank sent to other ranks in the forwards' two all-to-alls, the tokens out and
-    the outputs back (it received as many; backward moves as many again); `dropped`, the share of assignments over
-    capacity."""
+    tokens per expert in the whole batch, as the routers chose them (before a capacity drops any); `aux_loss`, the mean
+    over forwards of the summed layers' aux loss; `all_to_all_bytes`, the bytes this rank sent to other ranks in the
+    forwards' two all-to-alls, the tokens out and the outputs back (it received as many; backward moves as many
+    again); `dropped`, the share of assignments over capacity."""
     layers = moe_layers(model)
     if not layers or not layers[0].stats["tokens"]:
         return {}
