@@ -22,7 +22,7 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_same_arguments, require_same_start
-from utils import exists_on_any_rank, mesh_with_timeout, require_written_by
+from utils import exists_on_any_rank, mesh_with_timeout, non_negative_number, require_written_by
 from utils.moe import balance_loss, describe, moe_layers, require_ep_fits, routing_stats, split_experts, whole_grad_norm
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu, rng_state, set_rng_state
 
@@ -80,11 +80,12 @@ class Trainer:
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
             require_written_by("expert_parallel.py", self.snapshot_path)
-            # Each rank reads its own experts and the rest, by their names: from a snapshot of any --ep.
+            # Each rank reads its own experts and the rest, by their names, from a snapshot of any --ep: DCP fills
+            # the tensors of the dict below in place.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=BY_NAME)
             snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state,
                             SCHEDULER_STATE=self.scheduler.state_dict(), RNG_STATES=(), EPOCHS_RUN=0)
-            dcp.load(snapshot, checkpoint_id=self.snapshot_path)  # fills the tensors above in place
+            dcp.load(snapshot, checkpoint_id=self.snapshot_path)
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                            options=BY_NAME)
             self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])
@@ -123,7 +124,8 @@ class Trainer:
             micro_batches = min(K, batches - i // K * K)  # K, or what is left for the epoch's last step
             totals[0] += self._run_batch(source, targets, micro_batches, i % K + 1 == micro_batches) * len(source)
             totals[1] += len(source)
-        routing = routing_stats(self.model)  # tokens per expert, aux loss, bytes moved: since the last epoch
+        # What the routers did this epoch: the tokens each expert got, the aux loss, the bytes the all-to-alls moved.
+        routing = routing_stats(self.model)
         log_rank_metrics(epoch, self.steps_per_epoch, totals, start, **routing)
         dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
         mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
@@ -173,7 +175,8 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 
 def main(args):
     check_options(args)  # an option that cannot run here: one line, before anything
-    require_ep_fits(args, int(os.environ["WORLD_SIZE"]))  # whole ep groups, each as many experts: else one line
+    # Whole ep groups, each rank as many experts as the others: else one line, before anything starts.
+    require_ep_fits(args, int(os.environ["WORLD_SIZE"]))
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
@@ -183,8 +186,9 @@ def main(args):
     mesh = init_device_mesh(device.type, (dist.get_world_size() // args.ep, args.ep), mesh_dim_names=("dp", "ep"))
     mesh_with_timeout(mesh, args.timeout)  # the groups it made give up after --timeout too
     # Each rank keeps 1/ep of every layer's experts; the tokens of the others travel to them and back (utils/moe.py).
+    # So the ranks of an ep group read different data, like any two ranks: the sampler splits it over all of them.
     split_experts(workload.model, mesh["ep"].get_group())
-    train_data = prepare_dataloader(workload.train_set, args.batch_size)  # every rank its own data, ep ranks too
+    train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.make_optimizer(workload.model), workload.loss_fn, device,
                       args.save_every, args.snapshot_path, args, mesh)
     trainer.train(args.total_epochs)
@@ -208,8 +212,10 @@ if __name__ == "__main__":
     parser.add_argument("--snapshot_path", default="ep_snapshot", type=writable_path, help="Sharded snapshot folder")
     parser.add_argument("--ep", default=2, type=positive_int, help="Ranks that split the experts; dp: processes / ep")
     parser.add_argument("--top_k", default=2, type=positive_int, help="Experts each token goes to")
-    parser.add_argument("--aux_weight", default=0.01, type=float, help="Weight of the load-balancing loss (0: none)")
-    parser.add_argument("--capacity_factor", default=0.0, type=float, help="> 0: drop tokens over this x even share")
+    parser.add_argument("--aux_weight", default=0.01, type=non_negative_number,
+                        help="Weight of the load-balancing loss (0: off)")
+    parser.add_argument("--capacity_factor", default=0, type=non_negative_number,
+                        help="Drop tokens past this x an expert's even share (0: never)")
     parser.add_argument("--grad_accum", default=1, type=positive_int, help="Micro-batches per optimizer step (K)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: weights stay fp32")
     parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step (inf: no clip)")

@@ -297,7 +297,8 @@ def test_an_ep_or_top_k_that_cannot_split_the_job_stops_with_one_line_before_the
 
 
 @pytest.mark.parametrize("option, value", [("--workload", "gpt-cpu"), ("--ep", "0"), ("--top_k", "0"),
-                                           ("--precision", "fp16")])
+                                           ("--precision", "fp16"), ("--aux_weight", "-0.01"),
+                                           ("--capacity_factor", "-1"), ("--aux_weight", "inf")])
 def test_an_option_it_cannot_run_stops_with_one_line_before_anything_starts(monkeypatch, capsys, option, value):
     """Expert parallelism splits the MoE GPT's experts, so no other workload; fp16's loss scaler would skip a step on a
     rank whose experts overflowed while the others take it."""

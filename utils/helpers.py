@@ -44,6 +44,14 @@ def positive_number(text):
     return value
 
 
+def non_negative_number(text):
+    """argparse type: a finite number >= 0, where 0 turns a thing off (a loss's weight, a capacity factor)."""
+    value = _number(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, and finite, got {text}")
+    return value
+
+
 def probability(text):
     """argparse type: a probability of dropping, from 0 (never: exact comparisons) up to, not including, 1."""
     value = _number(text)
