@@ -15,13 +15,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CHAIN = ["single_gpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py", "gpt.py",
-         "tensor_parallel.py", "pipeline_parallel.py", "context_parallel.py", "expert_parallel.py"]
+         "tensor_parallel.py", "pipeline_parallel.py", "context_parallel.py", "expert_parallel.py", "one_mesh.py"]
 # The step each script is a diff of, where it is not the one before it in CHAIN: gpt.py trains with DDP, so it builds
 # on multinode.py, not on fsdp.py; tensor_parallel.py adds TP to FSDP's sharding, so it builds on fsdp.py;
 # pipeline_parallel.py, context_parallel.py and expert_parallel.py are diffs of gpt.py (the same GPT and loop, in
-# stages; on parts of each sequence; with its MLPs as experts spread over the ranks).
+# stages; on parts of each sequence; with its MLPs as experts spread over the ranks); one_mesh.py is a diff of
+# pipeline_parallel.py (its pipeline, with two stages a rank, each stage split over tp and sharded over dp).
 PREVIOUS = {"gpt.py": "multinode.py", "tensor_parallel.py": "fsdp.py", "pipeline_parallel.py": "gpt.py",
-            "context_parallel.py": "gpt.py", "expert_parallel.py": "gpt.py"}
+            "context_parallel.py": "gpt.py", "expert_parallel.py": "gpt.py", "one_mesh.py": "pipeline_parallel.py"}
 # Budgets: a step script reads in one sitting (lines), and each is a small diff of the one before (changed lines:
 # removed + added, as `diff OLD NEW | grep -c '^[<>]'` counts them).
 BUDGET = (150, 60)

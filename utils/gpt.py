@@ -260,10 +260,15 @@ class GPT(nn.Sequential):
         self.config = config
         self.vocab = vocab  # a plain attribute, not a buffer: decoding needs it, the state_dict and DDP do not
         self.text = text  # text_identity() of what it learns: in the state_dict, see get_extra_state
+        self.init_weights()
+
+    def init_weights(self):
+        """GPT-2's initial weights, drawn from the default generator. A step that builds the model on the meta device
+        calls it again once the weights have memory (one_mesh.py: on each rank's shards)."""
         self.apply(self._init_weights)
         for name, param in self.named_parameters():  # GPT-2: the layers that write into the residual stream start
             if name.endswith("proj.weight"):  # smaller, so the sum over 2 x n_layer of them starts at unit scale
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     def get_extra_state(self):
         """Saved in the state_dict beside the weights (as `_extra_state`): the text the model learns."""
@@ -346,11 +351,12 @@ def make_optimizer(model, config):
                              lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 
-def gpt(seed, size=None, text=None, dropout=None, context=None, experts=0, top_k=2, capacity_factor=0.0):
+def gpt(seed, size=None, text=None, dropout=None, context=None, experts=0, top_k=2, capacity_factor=0.0, device=None):
     """The GPT workload. size: "cpu" or "gpu", by default "gpu" when CUDA is available; text: a UTF-8 file to learn
     (None: $TUTORIAL_GPT_TEXT's, else Python's help pages); dropout: instead of the size's (None:
     $TUTORIAL_GPT_DROPOUT's if set); context: the tokens it sees at once, instead of the size's (a step's --context:
-    context_parallel.py's long sequences); experts, top_k, capacity_factor: a mixture of experts (gpt_moe)."""
+    context_parallel.py's long sequences); experts, top_k, capacity_factor: a mixture of experts (gpt_moe); device:
+    where the model is built, "meta" for its shapes alone (one_mesh.py gives each rank memory for its shards only)."""
     size = size or ("gpu" if torch.cuda.is_available() else "cpu")
     if size not in SIZES:
         raise ValueError(f"unknown GPT size {size!r}; choose one of {', '.join(SIZES)}")
@@ -370,7 +376,8 @@ def gpt(seed, size=None, text=None, dropout=None, context=None, experts=0, top_k
     train_set, eval_set = blocks_of(tokens[:split], config.context), blocks_of(tokens[split:], config.context)
 
     torch.manual_seed(seed)  # same initial weights in every process (DDP would broadcast rank 0's anyway)
-    model = GPT(config, vocab, text_identity(name, text))
+    with torch.device(device or "cpu"):
+        model = GPT(config, vocab, text_identity(name, text))
     return Workload(train_set, eval_set, model, lambda model: make_optimizer(model, config), next_token_loss)
 
 

@@ -35,6 +35,32 @@ def state_bytes(model, optimizer):
             "optim": sum(local_bytes(t) for t in optimizer_tensors)}
 
 
+class saved_for_backward(torch.autograd.graph.saved_tensors_hooks):
+    """Inside it, `.bytes` counts the memory autograd keeps for the backward pass: the activations, each storage once
+    (the input that q, k and v all save is one tensor), weights left out; of a DTensor, this rank's part. Activation
+    checkpointing keeps a block's input alone (torch saves it through these hooks too) and recomputes the rest in
+    backward; sequence parallelism keeps 1/tp of the positions where it splits them. The tensors it saw are kept until
+    it exits, so that no freed storage is counted again under the same address: measure one step, not a run."""
+
+    def __init__(self):
+        self.bytes, self.kept = 0, {}
+        super().__init__(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor):
+        if not isinstance(tensor, torch.nn.Parameter):
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            local = local.wait() if hasattr(local, "wait") else local  # an all-gather's result, once it arrived
+            storage = local.untyped_storage()
+            if storage.data_ptr() not in self.kept:
+                self.kept[storage.data_ptr()] = local
+                self.bytes += storage.nbytes()
+        return tensor
+
+    def __exit__(self, *error):
+        self.kept.clear()
+        return super().__exit__(*error)
+
+
 def device_memory(device):
     """(now, peak) bytes: the CUDA allocator's on a GPU; the process's resident set on a CPU (None: not known)."""
     if device.type == "cuda":

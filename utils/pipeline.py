@@ -1,11 +1,12 @@
-"""What pipeline_parallel.py (step 8) needs around its pipeline and does not teach: the checks of its options, the
-shapes a stage sends and receives, and the whole GPT put back together at the end (the cut into stages, the stage,
-the schedule and the micro-batches stay in the step).
+"""What pipeline_parallel.py (step 8) and one_mesh.py (step 11) need around their pipelines and do not teach: the
+checks of their options, the shapes a stage sends and receives, and the whole GPT put back together at the end (the
+cut into stages, the stage, the schedule and the micro-batches stay in the steps).
 
-    require_pipeline_fits(args, world_size)     one line and exit when the pipelines cannot be built
+    require_pipeline_fits(args, world_size)     one line and exit when step 8's pipelines cannot be built
+    require_mesh_fits(args, world_size)         the same for step 11's mesh of pp x dp x tp
     require_a_batch(train_data)                 one line and exit when a pipeline gets no whole batch in an epoch
     stage_io(model, micro_batch, stage, stages) what a stage receives and sends per micro-batch (their shapes)
-    reassembled(stage)                          the whole GPT again, from every rank's stage
+    reassembled(*stages)                        the whole GPT again, from every rank's stages
 """
 import os
 
@@ -13,7 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
 from utils.gpt import GPT, size_of, unwrap
+from utils.helpers import require_dense_gpt
 
 
 def require_pipeline_fits(args, world_size):
@@ -49,6 +53,33 @@ def require_pipeline_fits(args, world_size):
                          "across nodes: use torch 2.8, or 2.10 or newer")
 
 
+def require_mesh_fits(args, world_size):
+    """Stop with one line, before any process group forms, when one_mesh.py's mesh cannot be built: the processes
+    must form whole pp x tp grids, each rank's two stages need a layer of the GPT at least (the embedding, a block or
+    the head), each tp group must split the heads and the sequence evenly, and the interleaved schedule wants the
+    micro-batches to fill the pipeline in rounds of pp; the torch at hand must train FSDP and pipelines on CPU."""
+    require_dense_gpt(args)
+    config, pp, tp, M = size_of(args.workload), args.pp, args.tp, args.microbatches
+    version, gloo = TorchVersion(torch.__version__), not torch.cuda.is_available()
+    if world_size % (pp * tp):
+        raise SystemExit(f"error: --pp {pp} x --tp {tp} = {pp * tp} does not divide the {world_size} processes: they "
+                         "form grids of pp x tp, dp of them")
+    if 2 * pp > config.n_layer + 2:
+        raise SystemExit(f"error: --pp {pp} makes {2 * pp} stages, two per rank, but the GPT has {config.n_layer + 2} "
+                         "layers (its blocks, the embedding and the head): each stage needs one at least; lower --pp")
+    if config.n_head % tp or config.context % tp:
+        raise SystemExit(f"error: --tp {tp} must divide the attention heads ({config.n_head}) and the context "
+                         f"({config.context}): each tp rank computes heads/tp heads, and holds context/tp positions "
+                         "between the blocks")
+    if args.batch_size % M or M % pp:
+        raise SystemExit(f"error: --microbatches {M} must divide --batch_size {args.batch_size} and be a multiple of "
+                         f"--pp {pp}: the micro-batches have one size, and go through the pipeline in rounds of pp")
+    if gloo and (version < (2, 9) or (2, 9) <= version < (2, 10)):
+        raise SystemExit(f"error: torch {torch.__version__} cannot train this on CPU processes (its FSDP sums the "
+                         "gradients instead of averaging them before 2.9, and 2.9's pipelining fails on gloo): use "
+                         "torch 2.10 or newer there (on GPUs, 2.6 or newer)")
+
+
 def require_a_batch(train_data):
     """Stop with one line, before any training, when a pipeline's share of the data holds no whole batch: the stages'
     buffers have one shape, so an incomplete last batch is dropped, and an epoch without batches would train nothing.
@@ -60,26 +91,35 @@ def require_a_batch(train_data):
                          "start fewer pipelines (fewer processes, or a larger --pp)")
 
 
-def stage_io(model, micro_batch, stage, stages, dtype=None):
+def stage_io(model, micro_batch, stage, stages, dtype=None, tp=None):
     """(inputs, outputs) of a pipeline stage for one micro-batch of `micro_batch` sequences, as tensors on the meta
     device (shapes, no memory), for PipelineStage's input_args and output_args: token ids (micro_batch, context) into
     the first stage, activations (micro_batch, context, width) between stages, logits (micro_batch, context, vocab)
     out of the last, in the autocast `dtype` (torch 2.6 checks each output's dtype). The activations require grad:
-    their gradients travel back."""
+    their gradients travel back. `tp`: the ranks that split each stage's sequences between the blocks (one_mesh.py's
+    sequence parallelism): each holds context/tp positions, and the last stage's logits are a DTensor split over the
+    vocabulary, which the stage finds out itself (None), and the activations travel in `dtype` too."""
     config = unwrap(model).config
-    activations = torch.empty(micro_batch, config.context, config.n_embd, device="meta", requires_grad=True)
+    between = dtype if tp else None  # one_mesh.py's FSDP computes in bf16 throughout: its activations are bf16
+    activations = torch.empty(micro_batch, config.context // (tp or 1), config.n_embd, dtype=between, device="meta",
+                              requires_grad=True)
     tokens = torch.empty(micro_batch, config.context, dtype=torch.long, device="meta")
     logits = torch.empty(micro_batch, config.context, config.vocab_size, dtype=dtype, device="meta")
+    if tp:
+        logits = None
     return tokens if stage == 0 else activations, logits if stage == stages - 1 else activations
 
 
 def reassembled(stage):
-    """The whole GPT, put back together from every rank's pipeline stage (a DDP wrapper of one too), on the stage's
-    device: each rank's weights gathered to every rank. A collective: call it on every rank."""
+    """The whole GPT, put back together from every rank's pipeline stages (a DDP wrapper of one, or a GPT holding the
+    rank's layers, sharded by FSDP and split by tensor parallelism), on the stage's device: each rank's weights
+    gathered whole, then to every rank. A collective: call it on every rank."""
+    state = get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True))  # DTensors gathered whole
     stage = unwrap(stage)
+    state["_extra_state"] = stage.get_extra_state()  # the text's identity too
     pieces = [None] * dist.get_world_size()
     dist.all_gather_object(pieces, {name: value.cpu() if isinstance(value, torch.Tensor) else value
-                                    for name, value in stage.state_dict().items()})  # the text's identity too
+                                    for name, value in state.items()})
     model = GPT(stage.config, stage.vocab, stage.text)
     missing = set(model.state_dict()) - {name for piece in pieces for name in piece}
     assert not missing, f"no stage holds {sorted(missing)}"

@@ -49,7 +49,9 @@ changed; without the variables nothing happens.
     in when the job imports torch.distributed.pipelining (importing it costs 1.5 s: jobs without it do not pay).
 - JOB_SLOW_SAVE=`SECONDS` (with or without JOB_RECORD_DIR): every torch.save to a file takes that much longer: it
   sleeps once the bytes are written, before it returns (a slow disk: the file being written is there, not yet
-  renamed into place), so a rank that does not wait for the snapshot to be on disk shows it.
+  renamed into place), so a rank that does not wait for the snapshot to be on disk shows it. Each rank's writes of a
+  torch.distributed.checkpoint save take that much longer too (in the thread of an asynchronous save): its folder is
+  there, its metadata not yet.
 - JOB_KILL_AT=`RESTART:RANK:EPOCH`: that rank SIGKILLs itself as it begins that epoch in that attempt: a crash at a
   known point (the epoch counts passes over the DataLoader when the sampler has no set_epoch).
 - JOB_SKIP_ALL_REDUCE=`RANK:N`: the process of that global rank skips its N-th torch.distributed.all_reduce and
@@ -120,6 +122,18 @@ if RECORD_DIR or SLOW_SAVE:
         return result
 
     torch.save = _recording_save
+
+if SLOW_SAVE:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    _write_data = FileSystemWriter.write_data
+
+    def _slow_write_data(self, plan, planner):
+        written = _write_data(self, plan, planner)
+        time.sleep(SLOW_SAVE)
+        return written
+
+    FileSystemWriter.write_data = _slow_write_data
 
 if RECORD_DIR or KILL_AT:
     import signal

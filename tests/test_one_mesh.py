@@ -1,0 +1,277 @@
+"""Step 11, one_mesh.py: pipeline stages, FSDP and tensor parallelism with sequence parallelism on one mesh of 8 CPU
+ranks (pp 2 x dp 2 x tp 2) train exactly what one process trains (every epoch's loss and the final weights), from one
+process's very initial weights (a seed checkpoint each rank reads its shards of, the model built on the meta device);
+activation checkpointing and asynchronous snapshots change no number; a worker killed while an asynchronous save is
+being written resumes from the last whole snapshot, never from the one cut short; the snapshot resumes on 4 ranks and
+on 1; the whole model is exported to one plain file; bad input stops with one line.
+
+The jobs train the CPU-size GPT (2 blocks: 4 stages embed | block0 | block1 | head, two per pipeline rank) on a short
+excerpt of the help pages: 64 training sequences of 64 characters, batches of 8 (4 per dp rank, 2 micro-batches), so
+8 optimizer steps an epoch, fp32 and dropout 0. The 8-rank jobs are two (8 processes on 2 cores: ~30 s each): the
+plain one, shared with notebooks/11_one_mesh.ipynb, and the one with activation checkpointing and asynchronous saves,
+killed in the middle of a save; then the 4-rank and the 1-process resumes, and 8 spawned processes that build the model
+on the meta device.
+"""
+import json
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from expect import farthest, rank_records, sharded_snapshot, stopped_as_rank_0
+from tools.jobs import free_port, output, run, shared_file, spawned_result, torchrun
+from tools.one_process import train_gpt
+from tools.seed_checkpoint import seed_checkpoint_beside
+from utils import make_workload
+from utils.gpt import help_pages
+from utils.metrics import RUN_DIR_VARIABLE
+
+TEXT_CHARS = 4600  # 90% to train on: 64 sequences of 64 (+1) characters; 7 held out
+B, EPOCHS, STEPS = 8, 3, 8  # sequences per batch (all dp ranks together), epochs, optimizer steps an epoch
+SNAPSHOT = "mesh_snapshot"
+# Equal up to float rounding: one process sums the whole batch's gradients at once; the mesh sums each tp rank's
+# part of a matrix product, each micro-batch's gradients, and the dp ranks' shards in other orders. Adam's division by
+# the gradients' running magnitude magnifies the difference in a few weights. Measured here (torch 2.14.1, x86): every
+# epoch's loss within 1e-7, the weights within 5e-5 after 16 steps; one process training other batches (4 a step)
+# ends 0.13 away.
+LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-5, 2e-4
+
+
+@pytest.fixture(scope="module")
+def text():
+    return shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])  # named by its content: shared jobs match
+
+
+def one_mesh(folder, epochs, text, *args, nproc=8, batch_size=B // 2, **options):
+    """A finished job of one_mesh.py in `folder` (the CPU GPT, dropout 0, from one process's initial weights), a
+    snapshot every epoch; per-rank metrics in its runs/. A job that kills a worker may start again once."""
+    restarts = ["--max_restarts=1"] if "kill_at" in options else []
+    return run(torchrun("one_mesh.py", epochs, 1, "--workload", "gpt-cpu", "--text", text, "--dropout", 0,
+                        "--batch_size", batch_size, *args, "--seed_checkpoint", seed_checkpoint_beside(text),
+                        nproc=nproc, launcher_args=restarts), cwd=folder, env={RUN_DIR_VARIABLE: "runs"},
+               timeout=300, **options)
+
+
+@pytest.fixture(scope="module")
+def mesh8(tmp_path_factory, text):
+    """pp 2 x dp 2 x tp 2 on 8 ranks, 2 micro-batches of 2 sequences. notebooks/11_one_mesh.ipynb runs the same job:
+    shared, it runs once in a test session."""
+    return one_mesh(tmp_path_factory.mktemp("mesh8"), EPOCHS, text, "--pp", 2, "--tp", 2, "--microbatches", 2,
+                    shared=True)
+
+
+@pytest.fixture(scope="module")
+def checkpointed_and_killed(tmp_path_factory, text):
+    """The same mesh with activation checkpointing and asynchronous snapshots, each rank's writes of a save slowed by
+    2 s: rank 5 SIGKILLs itself as it begins epoch 2, while the snapshot of epoch 1 is being written; torchrun starts
+    the eight again."""
+    return one_mesh(tmp_path_factory.mktemp("killed"), EPOCHS, text, "--pp", 2, "--tp", 2, "--microbatches", 2,
+                    "--checkpoint_activations", "--async_save", kill_at=(0, 5, 2), slow_save=2)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, text, mesh8):
+    """mesh8's snapshot (3 epochs) resumed on 4 ranks (pp 2 x tp 2, all 8 sequences on the one dp rank) for a fourth
+    epoch; that snapshot resumed by one process holding the whole model (pp 1, tp 1: its two stages on the one rank)
+    for a fifth: (the 4 ranks' job, the one process's job)."""
+    four, alone = tmp_path_factory.mktemp("four"), tmp_path_factory.mktemp("alone")
+    shutil.copytree(mesh8.cwd / SNAPSHOT, four / SNAPSHOT)
+    four = one_mesh(four, EPOCHS + 1, text, "--pp", 2, "--tp", 2, "--microbatches", 2, nproc=4, batch_size=B)
+    shutil.copytree(four.cwd / SNAPSHOT, alone / SNAPSHOT)
+    alone = one_mesh(alone, EPOCHS + 2, text, "--pp", 1, "--tp", 1, "--microbatches", 2, nproc=1, batch_size=B)
+    return four, alone
+
+
+@pytest.fixture(scope="module")
+def reference(text):
+    """One process, batches of 8: 3 epochs, then 2 more at the schedule's floor; and one that trains other batches."""
+    return dict(train_gpt(text, B, EPOCHS + 2, EPOCHS, drop_last=True),
+                other_batches=train_gpt(text, B // 2, EPOCHS, drop_last=True))
+
+
+def weights(job):
+    """The whole model's weights from the job's snapshot, every rank's shards put together."""
+    return {name: value for name, value in sharded_snapshot(job.cwd / SNAPSHOT)["MODEL_STATE"].items()
+            if isinstance(value, torch.Tensor)}
+
+
+def losses(job):
+    """Each epoch's mean loss from the per-rank metrics: the last stage's first tp rank of each pipeline counts its
+    samples (the other ranks report none)."""
+    records = rank_records(job)
+    return {epoch: sum(r["loss"] * r["samples"] for r in ranks.values()) / sum(r["samples"] for r in ranks.values())
+            for epoch, ranks in sorted(records.items())}
+
+
+# --- one mesh, one model ----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_pp_dp_tp_on_8_ranks_trains_what_one_process_does(mesh8, reference):
+    """Every epoch's loss and the final weights within the tolerances, where one process training other batches ends
+    far outside them; rank 0's printed loss is the mean over the pipelines."""
+    assert losses(mesh8) == pytest.approx({e: reference["losses"][e] for e in range(EPOCHS)}, abs=LOSS_TOLERANCE)
+    assert farthest(weights(mesh8), reference["weights"][EPOCHS]) <= WEIGHT_TOLERANCE
+    assert farthest(weights(mesh8), reference["other_batches"]["weights"][EPOCHS]) > 100 * WEIGHT_TOLERANCE, \
+        "the tolerance tells training on these batches from training on others"
+    printed = output.epoch_losses(mesh8.output)
+    assert printed == pytest.approx({e: reference["losses"][e] for e in range(EPOCHS)}, abs=1e-4), printed
+
+
+@pytest.mark.slow
+def test_each_rank_holds_two_stages_its_tp_slice_and_its_dp_shard(mesh8):
+    """rank = pp x 4 + dp x 2 + tp: pipeline rank 0 holds stages 0 and 2 (the embedding, block 1), pipeline rank 1
+    stages 1 and 3 (block 0, the head), so the samples are counted by ranks 4 and 6 (the head's first tp rank in each
+    dp group). Over the 8 ranks every weight is held once, but for what tp replicates (the norms, which sequence
+    parallelism runs on each rank's positions, and the biases added after a row-wise split): once per tp rank."""
+    records = rank_records(mesh8)[0]
+    assert sorted(rank for rank, record in records.items() if record["samples"]) == [4, 6]
+    whole = weights(mesh8)
+    replicated = sum(value.numel() * 4 for name, value in whole.items() if "norm" in name or "proj.bias" in name)
+    held = sum(record["params"] for record in records.values())
+    assert held == sum(value.numel() * 4 for value in whole.values()) + replicated, "tp = 2: replicated twice"
+    assert all(records[rank]["grads"] == records[rank]["params"] for rank in range(8)), "a gradient per weight shard"
+    assert all(records[rank]["optim"] > 2 * records[rank]["params"] for rank in range(8)), "Adam's two moments"
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_and_asynchronous_saves_change_no_number(mesh8, checkpointed_and_killed):
+    """Recomputing each block in backward computes what was kept, bit for bit; the snapshots written in a thread hold
+    what the synchronous ones hold; and a kill and a resume in between change nothing either."""
+    assert losses(checkpointed_and_killed) == losses(mesh8)
+    assert farthest(weights(checkpointed_and_killed), weights(mesh8)) == 0
+
+
+@pytest.mark.slow
+def test_a_kill_during_an_asynchronous_save_resumes_from_the_last_whole_snapshot(checkpointed_and_killed):
+    """Rank 5 died while the snapshot of epoch 1 was being written (its folder there, its metadata not yet): the
+    snapshot path still pointed to epoch 0's, whole, and the eight resumed from it, at epoch 1; the folder cut short
+    was never made the last one (the test above: the end is the plain job's, bit for bit)."""
+    job = checkpointed_and_killed
+    assert job.resumes == {1: 1}, job.output
+    assert output.epoch_losses(job.output).keys() == {0, 1, 2}
+    assert list(job.cwd.glob(f"{SNAPSHOT}*.tmp")) == [], "the resumed job wrote epoch 1's snapshot again, whole"
+
+
+@pytest.mark.slow
+def test_the_8_rank_snapshot_resumes_on_4_ranks_and_on_1_as_one_process_trains(resumed, reference):
+    """The snapshot holds the whole model under its own names, and the optimizer's state weight by weight: 4 ranks
+    (pp 2 x tp 2) go on from it, then one process holding everything; their epochs are the one-process epochs."""
+    for job, epoch in zip(resumed, (EPOCHS, EPOCHS + 1)):
+        assert output.resumes(job.output) == {0: epoch}, job.output
+        assert losses(job)[epoch] == pytest.approx(reference["losses"][epoch], abs=LOSS_TOLERANCE)
+        assert farthest(weights(job), reference["weights"][epoch + 1]) <= WEIGHT_TOLERANCE
+
+
+@pytest.mark.slow
+def test_the_whole_model_is_evaluated_exported_to_one_plain_file_and_writes_a_sample(mesh8, reference, text):
+    """Every rank's shards gathered into the GPT: its held-out loss is one process's, the file mesh_model_full.pt loads
+    into a fresh GPT without torch.distributed and holds the snapshot's weights, and rank 0 prints a sample."""
+    held_out = output.held_out(mesh8.output)
+    assert held_out["samples"] == 7 and held_out["loss"] == pytest.approx(reference["held_out"], abs=1e-4)
+    exported = torch.load(mesh8.cwd / "mesh_model_full.pt", weights_only=False)
+    model = make_workload("gpt-cpu", text=str(text)).model
+    model.load_state_dict(exported)
+    assert farthest({k: v for k, v in exported.items() if isinstance(v, torch.Tensor)}, weights(mesh8)) == 0
+    [(steps, sample)] = output.samples(mesh8.output)
+    assert steps == EPOCHS * STEPS and len(sample) >= 190, sample
+
+
+# --- the model built on the meta device -------------------------------------------------------------------------------
+
+def meta_worker(rank, port, text, seed, result_path):
+    """One of 8 ranks (pp 2 x dp 2 x tp 2): one_mesh.py's own model building (on meta, parallelized, cut, sharded,
+    given memory, drawn; then the seed checkpoint read), the bytes this rank holds, and the whole model gathered."""
+    import argparse
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import one_mesh
+    from utils.pipeline import reassembled
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=8)
+    torch.set_num_threads(1)
+    args = argparse.Namespace(precision="fp32", checkpoint_activations=False)
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    model = make_workload("gpt-cpu", text=text, dropout=0, device="meta").model
+    model, _ = one_mesh.parallelize(model, mesh, args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(rank)
+    model.init_weights()
+    held = sum(param.to_local().numel() for param in model.parameters())
+    drawn = {name: value for name, value in reassembled(model).state_dict().items() if "weight" in name}
+    weights = get_model_state_dict(model)
+    dcp.load({"MODEL_STATE": weights}, checkpoint_id=seed)
+    set_model_state_dict(model, weights)
+    whole = reassembled(model).state_dict()
+    expected = make_workload("gpt-cpu", text=text, dropout=0).model.state_dict()
+    result = dict(held=held, whole=sum(value.numel() for value in expected.values() if hasattr(value, "numel")),
+                  farthest=max((whole[name] - value).abs().max().item() for name, value in expected.items()
+                               if isinstance(value, torch.Tensor)),
+                  drawn_std=drawn["block0.mlp.fc.weight"].std().item(),
+                  halves_differ=not torch.equal(*drawn["block0.mlp.fc.weight"].chunk(2)))
+    results = [None] * 8
+    dist.all_gather_object(results, result)
+    if rank == 0:
+        with open(result_path, "w") as file:
+            json.dump(results, file)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_on_the_meta_device_no_rank_holds_the_model_and_the_seed_checkpoint_gives_one_process_s_weights(text):
+    """Built on meta and given memory shard by shard, each of the 8 ranks holds less than a third of the weights; its
+    own draws are GPT-2's (std 0.02, every shard drawn anew); the seed checkpoint read into the shards and gathered is
+    one process's initial model, bit for bit."""
+    results = spawned_result(meta_worker, (free_port(), str(text), str(seed_checkpoint_beside(text))), 8, 180,
+                             "the meta-device workers")
+    for rank, result in enumerate(results):
+        assert result["held"] < result["whole"] / 3, (rank, result)
+        assert result["farthest"] == 0, (rank, result)
+        assert result["drawn_std"] == pytest.approx(0.02, rel=0.1) and result["halves_differ"], (rank, result)
+
+
+# --- bad input --------------------------------------------------------------------------------------------------------
+
+def run_main(monkeypatch, world_size, *args):
+    """one_mesh.py's checks before its process group, in this process (expect.stopped_as_rank_0)."""
+    return stopped_as_rank_0(monkeypatch, "one_mesh.py", world_size, *args)
+
+
+@pytest.mark.parametrize("world_size, args, message", [
+    (6, ["--pp", 2, "--tp", 2], "error: --pp 2 x --tp 2 = 4 does not divide the 6 processes: they form grids of "
+                                "pp x tp, dp of them"),
+    (4, ["--pp", 4, "--tp", 1], "error: --pp 4 makes 8 stages, two per rank, but the GPT has 4 layers (its blocks, "
+                                "the embedding and the head): each stage needs one at least; lower --pp"),
+    (3, ["--pp", 1, "--tp", 3], "error: --tp 3 must divide the attention heads (4) and the context (64): each tp rank "
+                                "computes heads/tp heads, and holds context/tp positions between the blocks"),
+    (4, ["--pp", 2, "--microbatches", 3], "error: --microbatches 3 must divide --batch_size 32 and be a multiple of "
+                                          "--pp 2: the micro-batches have one size, and go through the pipeline in "
+                                          "rounds of pp"),
+])
+def test_a_mesh_that_cannot_be_built_stops_with_one_line_before_the_process_group(monkeypatch, tmp_path, world_size,
+                                                                                  args, message):
+    monkeypatch.chdir(tmp_path)
+    assert str(run_main(monkeypatch, world_size, "--workload", "gpt-cpu", *args)) == message
+    assert list(tmp_path.iterdir()) == [], "nothing may be written"
+
+
+def test_the_mixture_of_experts_is_refused_with_one_line(monkeypatch):
+    assert str(run_main(monkeypatch, 8, "--workload", "gpt-moe-cpu")).startswith(
+        "error: --workload gpt-moe-cpu is the mixture-of-experts GPT: expert_parallel.py (step 10) trains it")
+
+
+# --- on GPUs ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_gpu_size_trains_on_the_mesh_in_bf16_with_checkpointed_activations(tmp_path):
+    """The GPU size (6 blocks, dropout 0.2) on the help pages, FSDP's bf16, activation checkpointing, over NCCL: every
+    GPU there is as pp x dp x tp (one GPU: 1 x 1 x 1, its two stages on the one rank). It learns."""
+    gpus = torch.cuda.device_count()
+    pp, tp = (2, 2) if gpus >= 4 else (1, 1)
+    job = run(torchrun("one_mesh.py", 2, 2, "--pp", pp, "--tp", tp, "--precision", "bf16",
+                       "--checkpoint_activations", nproc=gpus if gpus >= 4 else 1), cwd=tmp_path, gpu=True,
+              timeout=600)
+    assert job.losses[1] < job.losses[0] and "| local 0 | cuda:0]" in job.output, job.output
