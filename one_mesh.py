@@ -16,8 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
@@ -31,7 +30,7 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_same_arguments, require_same_start
-from utils import SEED, exists_on_any_rank, mesh_with_timeout, require_written_by
+from utils import SEED, dcp_folder, exists_on_any_rank, load_seed_checkpoint, mesh_with_timeout, require_written_by
 from utils.memory import saved_for_backward, state_bytes
 from utils.pipeline import reassembled, require_a_batch, require_mesh_fits, stage_io
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu
@@ -246,10 +245,8 @@ def main(args):
     model.to_empty(device=device)  # memory for this rank's shards alone, then its own draws of GPT-2's weights
     torch.manual_seed(hash((SEED, dist.get_rank())))
     model.init_weights()
-    if args.seed_checkpoint:  # or one process's very weights, from a snapshot of them: each rank reads its shards
-        weights = get_model_state_dict(model)
-        dcp.load({"MODEL_STATE": weights}, checkpoint_id=args.seed_checkpoint)
-        set_model_state_dict(model, weights)
+    if args.seed_checkpoint:  # or one process's very weights, from a DCP folder of them: each rank reads its shards
+        load_seed_checkpoint(model, args.seed_checkpoint)
     train_data = prepare_dataloader(workload.train_set, args.batch_size, mesh["dp"])
     require_a_batch(train_data)  # a --batch_size larger than a dp rank's share of the data: one line
     trainer = Trainer(model, stages, train_data, workload.make_optimizer(model), workload.loss_fn, device,
@@ -284,7 +281,7 @@ if __name__ == "__main__":
     parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step (inf: no clip)")
     parser.add_argument("--checkpoint_activations", action="store_true", help="Recompute each block in backward")
     parser.add_argument("--async_save", action="store_true", help="Write snapshots while the training goes on")
-    parser.add_argument("--seed_checkpoint", type=writable_path, help="Initial weights from this DCP folder")
+    parser.add_argument("--seed_checkpoint", type=dcp_folder, help="Initial weights (tools/seed_checkpoint.py)")
     add_gpt_arguments(parser)  # --text, --dropout, --peak_tflops
     args = parser.parse_args()
 

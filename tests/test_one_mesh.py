@@ -23,7 +23,7 @@ from expect import farthest, rank_records, sharded_snapshot, stopped_as_rank_0
 from tools.jobs import free_port, output, run, shared_file, spawned_result, torchrun
 from tools.one_process import train_gpt
 from tools.seed_checkpoint import seed_checkpoint_beside
-from utils import make_workload
+from utils import load_seed_checkpoint, make_workload
 from utils.gpt import help_pages
 from utils.metrics import RUN_DIR_VARIABLE
 
@@ -256,6 +256,26 @@ def test_a_mesh_that_cannot_be_built_stops_with_one_line_before_the_process_grou
     monkeypatch.chdir(tmp_path)
     assert str(run_main(monkeypatch, world_size, "--workload", "gpt-cpu", *args)) == message
     assert list(tmp_path.iterdir()) == [], "nothing may be written"
+
+
+def test_a_seed_checkpoint_that_is_not_there_stops_with_one_line_before_anything_starts(monkeypatch, capsys,
+                                                                                     tmp_path):
+    assert run_main(monkeypatch, 8, "--seed_checkpoint", tmp_path / "seed").code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"one_mesh.py: error: argument --seed_checkpoint: {tmp_path / 'seed'} holds no checkpoint: write one first, "
+        f"e.g. `python tools/seed_checkpoint.py {tmp_path / 'seed'}` with the step's --workload and --text")
+
+
+def test_a_seed_checkpoint_of_another_text_stops_with_one_line(tmp_path, text):
+    """The seed of the help pages' excerpt read into a GPT of another text (another vocabulary, another identity)."""
+    other = tmp_path / "other.txt"
+    other.write_text("a few other words, " * 200)
+    model = make_workload("gpt-cpu", text=str(other)).model
+    with pytest.raises(SystemExit) as stop:
+        load_seed_checkpoint(model, str(seed_checkpoint_beside(text)))
+    assert str(stop.value).startswith(f"error: cannot start from --seed_checkpoint {seed_checkpoint_beside(text)} (")
+    assert str(stop.value).endswith("write it again with tools/seed_checkpoint.py, with the step's --workload and "
+                                    "--text") and "\n" not in str(stop.value)
 
 
 def test_the_mixture_of_experts_is_refused_with_one_line(monkeypatch):

@@ -168,6 +168,15 @@ def writable_path(path):
     return path
 
 
+def dcp_folder(path):
+    """argparse type for a folder that must hold a torch.distributed.checkpoint (its .metadata, written last): refused
+    before any work when it does not, with what to do."""
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise argparse.ArgumentTypeError(f"{path} holds no checkpoint: write one first, e.g. `python "
+                                         f"tools/seed_checkpoint.py {path}` with the step's --workload and --text")
+    return path
+
+
 def set_aside_name(path):
     """Where replacing() keeps the last version of a directory while it renames the new one in."""
     return f"{path}.previous"
@@ -336,6 +345,26 @@ def require_written_by(step, path):
         holds = f"{saved['STEP']}'s snapshot" if saved["STEP"] else "a snapshot that names no step (an older one)"
         raise SystemExit(f"error: {path} holds {holds} after {epochs}, not {step}'s: give this run its own "
                          f"--snapshot_path, or move {path} away to start anew; it is left in place")
+
+
+def load_seed_checkpoint(model, path):
+    """Fill `model`'s weights (DTensors sharded over a mesh, or whole) with those of the seed checkpoint at `path` (a
+    DCP folder of one process's initial weights under MODEL_STATE: tools/seed_checkpoint.py writes it), each rank
+    reading only its own shards. One line and exit if it cannot: the weights of another model or text (a folder that
+    holds no checkpoint at all is refused before, by the argument's type: dcp_folder). A collective: call it on every
+    rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    weights = get_model_state_dict(model)  # the model's own tensors, under the whole model's names
+    try:
+        dcp.load({"MODEL_STATE": weights}, checkpoint_id=path)
+        set_model_state_dict(model, weights)
+    except BaseException as error:
+        if not isinstance(error, Exception) and type(error).__name__ != "CheckpointException":
+            raise
+        raise SystemExit(f"error: cannot start from --seed_checkpoint {path} ({reason(error)}): write it again with "
+                         "tools/seed_checkpoint.py, with the step's --workload and --text") from None
 
 
 def require_epochs_left(epochs_run, total_epochs, snapshot_path):
