@@ -201,7 +201,7 @@ def meta_worker(rank, port, text, seed, result_path):
     torch.manual_seed(rank)
     model.init_weights()
     held = sum(param.to_local().numel() for param in model.parameters())
-    drawn = {name: value for name, value in reassembled(model).state_dict().items() if "weight" in name}
+    drawn = {name: value for name, value in reassembled(model).state_dict().items() if isinstance(value, torch.Tensor)}
     weights = get_model_state_dict(model)
     dcp.load({"MODEL_STATE": weights}, checkpoint_id=seed)
     set_model_state_dict(model, weights)
@@ -211,6 +211,10 @@ def meta_worker(rank, port, text, seed, result_path):
                   farthest=max((whole[name] - value).abs().max().item() for name, value in expected.items()
                                if isinstance(value, torch.Tensor)),
                   drawn_std=drawn["block0.mlp.fc.weight"].std().item(),
+                  drawn_norms=sorted({x.item() for name, value in drawn.items() if "norm" in name
+                                      for x in value.unique()}),
+                  drawn_biases=sorted({x.item() for name, value in drawn.items() if name.endswith("bias")
+                                       for x in value.unique()}),
                   halves_differ=not torch.equal(*drawn["block0.mlp.fc.weight"].chunk(2)))
     results = [None] * 8
     dist.all_gather_object(results, result)
@@ -223,14 +227,16 @@ def meta_worker(rank, port, text, seed, result_path):
 @pytest.mark.slow
 def test_on_the_meta_device_no_rank_holds_the_model_and_the_seed_checkpoint_gives_one_process_s_weights(text):
     """Built on meta and given memory shard by shard, each of the 8 ranks holds less than a third of the weights; its
-    own draws are GPT-2's (std 0.02, every shard drawn anew); the seed checkpoint read into the shards and gathered is
-    one process's initial model, bit for bit."""
+    own draws are GPT-2's (std 0.02, every shard drawn anew; the norms' gains 1 and every bias 0: memory given after
+    the meta device holds whatever was there before, until each weight is drawn or set); the seed checkpoint read into
+    the shards and gathered is one process's initial model, bit for bit."""
     results = spawned_result(meta_worker, (free_port(), str(text), str(seed_checkpoint_beside(text))), 8, 180,
                              "the meta-device workers")
     for rank, result in enumerate(results):
         assert result["held"] < result["whole"] / 3, (rank, result)
         assert result["farthest"] == 0, (rank, result)
         assert result["drawn_std"] == pytest.approx(0.02, rel=0.1) and result["halves_differ"], (rank, result)
+        assert result["drawn_norms"] == [0.0, 1.0] and result["drawn_biases"] == [0.0], "every weight drawn or set"
 
 
 # --- bad input --------------------------------------------------------------------------------------------------------

@@ -288,6 +288,9 @@ class GPT(nn.Sequential):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):  # as built; again here for a model given memory after the meta device
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
 
 
 @contextlib.contextmanager
