@@ -36,7 +36,7 @@ from utils.pipeline import reassembled, require_a_batch, require_mesh_fits, stag
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu
 
 # The optimizer's state saved weight by weight, under the weights' names, its settings too (block3.mlp.fc.weight's
-# lr): the stages' optimizers hold different weights, whose lists would collide in the one snapshot of the model.
+# lr): the ranks' optimizers hold different weights, whose lists would collide in the one snapshot of the model.
 BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 # Step 7's plan with sequence parallelism: between the matrices each tp rank holds 1/tp of the positions (the norms and
 # dropouts work on them alone); the matrices' inputs are all-gathered, their outputs reduce-scattered back to 1/tp.

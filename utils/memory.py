@@ -37,21 +37,27 @@ def state_bytes(model, optimizer):
 
 class saved_for_backward(torch.autograd.graph.saved_tensors_hooks):
     """Inside it, `.bytes` counts the memory autograd keeps for the backward pass: the activations, each storage once
-    (the input that q, k and v all save is one tensor), weights left out; of a DTensor, this rank's part. Activation
-    checkpointing keeps a block's input alone (torch saves it through these hooks too) and recomputes the rest in
-    backward; sequence parallelism keeps 1/tp of the positions where it splits them. The tensors it saw are kept until
-    it exits, so that no freed storage is counted again under the same address: measure one step, not a run."""
+    (the input that q, k and v all save is one tensor), weights and their views left out; of a DTensor, this rank's
+    part. Activation checkpointing keeps a block's input alone (torch saves it through these hooks too) and recomputes
+    the rest in backward; sequence parallelism keeps 1/tp of the positions where it splits them. The tensors it saw are
+    kept until it exits, so that no freed storage is counted again under the same address: measure one step, not a
+    run. The recorder of tools/jobs counts each pipeline stage's forward with it (pipeline.jsonl's `saved`)."""
 
     def __init__(self):
         self.bytes, self.kept = 0, {}
         super().__init__(self._pack, lambda tensor: tensor)
 
+    def __enter__(self):
+        super().__enter__()
+        return self
+
     def _pack(self, tensor):
-        if not isinstance(tensor, torch.nn.Parameter):
+        # A weight, or a view of one (the transposed matrix a linear layer keeps for its input's gradient): not counted.
+        if not isinstance(tensor if tensor._base is None else tensor._base, torch.nn.Parameter):
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             local = local.wait() if hasattr(local, "wait") else local  # an all-gather's result, once it arrived
             storage = local.untyped_storage()
-            if storage.data_ptr() not in self.kept:
+            if storage.data_ptr() not in self.kept and local.device.type != "meta":  # a shape, not memory
                 self.kept[storage.data_ptr()] = local
                 self.bytes += storage.nbytes()
         return tensor

@@ -97,16 +97,14 @@ def stage_io(model, micro_batch, stage, stages, dtype=None, tp=None):
     the first stage, activations (micro_batch, context, width) between stages, logits (micro_batch, context, vocab)
     out of the last, in the autocast `dtype` (torch 2.6 checks each output's dtype). The activations require grad:
     their gradients travel back. `tp`: the ranks that split each stage's sequences between the blocks (one_mesh.py's
-    sequence parallelism): each holds context/tp positions, and the last stage's logits are a DTensor split over the
-    vocabulary, which the stage finds out itself (None), and the activations travel in `dtype` too."""
+    sequence parallelism): each holds context/tp positions, and the activations travel in `dtype` too (the last
+    stage's logits are a DTensor split over the vocabulary, of the whole shape)."""
     config = unwrap(model).config
     between = dtype if tp else None  # one_mesh.py's FSDP computes in bf16 throughout: its activations are bf16
     activations = torch.empty(micro_batch, config.context // (tp or 1), config.n_embd, dtype=between, device="meta",
                               requires_grad=True)
     tokens = torch.empty(micro_batch, config.context, dtype=torch.long, device="meta")
     logits = torch.empty(micro_batch, config.context, config.vocab_size, dtype=dtype, device="meta")
-    if tp:
-        logits = None
     return tokens if stage == 0 else activations, logits if stage == stages - 1 else activations
 
 

@@ -343,8 +343,6 @@ if RECORD_DIR:
     def _record_chunks(stage_module):
         """Wrap the pipeline stage's forward_one_chunk and backward_one_chunk, which every schedule calls once per
         micro-batch and pass."""
-        import torch
-
         base = stage_module._PipelineStageBase
         forward_one_chunk, backward_one_chunk = base.forward_one_chunk, base.backward_one_chunk
         steps = [-1]  # the schedule's steps begun in this process
@@ -357,19 +355,12 @@ if RECORD_DIR:
         def recording_forward(self, chunk, *args, **kwargs):
             if chunk == 0:
                 steps[0] += 1
-            parameters = {p.untyped_storage().data_ptr() for p in self.submod.parameters()}
-            saved = {}
-
-            def pack(tensor):  # each storage once: views of one activation, and of the weights (not counted)
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() not in parameters and storage.device.type != "meta":
-                    saved[storage.data_ptr()] = storage.nbytes()
-                return tensor
+            from utils.memory import saved_for_backward  # each storage once, the weights not counted
 
             began = time.time()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with saved_for_backward() as saved:
                 result = forward_one_chunk(self, chunk, *args, **kwargs)
-            note(self, "forward", chunk, began, saved=sum(saved.values()))
+            note(self, "forward", chunk, began, saved=saved.bytes)
             return result
 
         def recording_backward(self, chunk, *args, **kwargs):
