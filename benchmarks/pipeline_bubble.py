@@ -46,44 +46,62 @@ def configurations(microbatches):
     return [(schedule, M) for M in microbatches for schedule in ("gpipe", "1f1b") if schedule == "gpipe" or M >= STAGES]
 
 
-def worker(rank, args, text_path, result_path):
-    import json
-
+def trainer(rank, schedule, M, args, text_path, folder, mesh):
+    """pipeline_parallel.py's own Trainer of stage `rank` of STAGES (its stage, DDP, schedule, clipping, AdamW), with
+    `schedule` over M micro-batches of batches of --batch_size; its snapshots (never written) would go in `folder`."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
     import pipeline_parallel
     from utils import make_workload
 
+    workload = make_workload("gpt-cpu", text=text_path)
+    stage = pipeline_parallel.cut(workload.model, rank, STAGES)
+    loader = DataLoader(workload.train_set, batch_size=args.batch_size, drop_last=True,
+                        sampler=DistributedSampler(workload.train_set, num_replicas=1, rank=0))
+    options = Namespace(total_epochs=1000, microbatches=M, schedule=schedule, batch_size=args.batch_size,
+                        precision="fp32", grad_clip=1.0, peak_tflops=None)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        return pipeline_parallel.Trainer(stage, loader, workload.make_optimizer(stage), workload.loss_fn,
+                                         torch.device("cpu"), 1000, str(Path(folder) / f"none.{schedule}{M}"),
+                                         options, mesh)
+
+
+def take_turns(runs, args):
+    """Each configuration's steps, round after round: `runs` is {key: (its DataLoader, a function that takes one step
+    on a batch's source and targets)}; --steps steps per turn, the order reversed every other round, so that the load
+    on the machine drifts against no one; round 0 warms up. {key: [the numbers of its measured steps]}, the steps of
+    all configurations counted from 0 in the order they ran: the recorder's numbers, with one stage per process."""
+    import torch.distributed as dist
+
+    steps, taken = {key: [] for key in runs}, 0
+    for round_ in range(args.rounds + 1):
+        for key in list(runs) if round_ % 2 else list(runs)[::-1]:
+            batches, step = runs[key]
+            dist.barrier()
+            for _, (source, targets) in zip(range(args.steps), batches):
+                step(source, targets)
+                if round_ > 0:  # round 0 warms up
+                    steps[key].append(taken)
+                taken += 1
+    return steps
+
+
+def worker(rank, args, text_path, result_path):
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=STAGES, timeout=timedelta(seconds=args.timeout))
     mesh = init_device_mesh("cpu", (STAGES, 1), mesh_dim_names=("pp", "dp"))
-    trainers = {}
-    for schedule, M in configurations(args.microbatches):
-        workload = make_workload("gpt-cpu", text=text_path)
-        stage = pipeline_parallel.cut(workload.model, rank, STAGES)
-        loader = DataLoader(workload.train_set, batch_size=args.batch_size, drop_last=True,
-                            sampler=DistributedSampler(workload.train_set, num_replicas=1, rank=0))
-        options = Namespace(total_epochs=1000, microbatches=M, schedule=schedule, batch_size=args.batch_size,
-                            precision="fp32", grad_clip=1.0, peak_tflops=None)
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            trainers[schedule, M] = pipeline_parallel.Trainer(
-                stage, loader, workload.make_optimizer(stage), workload.loss_fn, torch.device("cpu"), 1000,
-                str(Path(result_path).parent / f"none.{schedule}{M}"), options, mesh)
-    steps, taken = {key: [] for key in trainers}, 0  # the recorder's step numbers of each configuration
-    for round_ in range(args.rounds + 1):
-        for key in list(trainers) if round_ % 2 else list(trainers)[::-1]:
-            trainer = trainers[key]
-            dist.barrier()
-            for _, (source, targets) in zip(range(args.steps), trainer.train_data):
-                trainer._run_batch(source, targets)
-                if round_ > 0:  # round 0 warms up
-                    steps[key].append(taken)
-                taken += 1
+    trainers = {(schedule, M): trainer(rank, schedule, M, args, text_path, Path(result_path).parent, mesh)
+                for schedule, M in configurations(args.microbatches)}
+    steps = take_turns({key: (trainer.train_data, trainer._run_batch) for key, trainer in trainers.items()}, args)
     if rank == 0:
         Path(result_path).write_text(json.dumps([[schedule, M, numbers] for (schedule, M), numbers in steps.items()]))
     dist.barrier()
@@ -91,16 +109,23 @@ def worker(rank, args, text_path, result_path):
     exit_without_teardown()  # as the step scripts do: a gloo thread may still hold tensors at interpreter exit
 
 
-def measure(args, text_path, record_dir):
-    """[(schedule, M, {step: [event, ...]} of its measured steps)]."""
+def recorded(job, args, nprocs, timeout, record_dir, what):
+    """Run job(rank, *args, result_path) in `nprocs` spawned workers (spawned_result) with the recorder loaded, which
+    writes each stage's passes to record_dir: (what rank 0 wrote, the recorded passes: pipeline.jsonl's records)."""
+    import json
+
     paths = [str(RECORDER), str(REPO), os.environ.get("PYTHONPATH")]  # the recorder loads in the spawned workers
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                       CUDA_VISIBLE_DEVICES="", JOB_RECORD_DIR=str(record_dir),
                       PYTHONPATH=os.pathsep.join(filter(None, paths)))
-    measured = spawned_result(worker, (args, text_path), STAGES, args.timeout, "the pipeline benchmark")
-    import json
-
+    result = spawned_result(job, args, nprocs, timeout, what)
     records = [json.loads(line) for line in (Path(record_dir) / "pipeline.jsonl").read_text().splitlines()]
+    return result, records
+
+
+def measure(args, text_path, record_dir):
+    """[(schedule, M, {step: [event, ...]} of its measured steps)]."""
+    measured, records = recorded(worker, (args, text_path), STAGES, args.timeout, record_dir, "the pipeline benchmark")
     steps = pipeline_timeline.by_step(records)
     return [(schedule, M, {number: steps[number] for number in numbers}) for schedule, M, numbers in measured]
 

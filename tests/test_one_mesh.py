@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from expect import farthest, rank_records, sharded_snapshot, stopped_as_rank_0
 from tools.jobs import free_port, output, run, shared_file, spawned_result, torchrun, torchrun_node
+from tools.memory_plan import Layout, check, compare, config_of
 from tools.one_process import train_gpt
 from tools.seed_checkpoint import seed_checkpoint_beside
 from utils import load_seed_checkpoint, make_workload
@@ -175,6 +176,38 @@ def test_the_whole_model_is_evaluated_exported_to_one_plain_file_and_writes_a_sa
     assert farthest({k: v for k, v in exported.items() if isinstance(v, torch.Tensor)}, weights(mesh8)) == 0
     [(steps, sample)] = output.samples(mesh8.output)
     assert steps == EPOCHS * STEPS and len(sample) >= 190, sample
+
+
+# --- the memory plan against what each rank measured ------------------------------------------------------------------
+
+# The layout of each job above, as tools/memory_plan.py describes one.
+LAYOUTS = {"mesh8": Layout(pp=2, dp=2, tp=2, batch_size=4, microbatches=2),
+           "checkpointed_and_killed": Layout(pp=2, dp=2, tp=2, batch_size=4, microbatches=2,
+                                             checkpoint_activations=True),
+           "four": Layout(pp=2, dp=1, tp=2, batch_size=8, microbatches=2),
+           "alone": Layout(pp=1, dp=1, tp=1, batch_size=8, microbatches=2),
+           "two_nodes": Layout(pp=2, dp=1, tp=2, batch_size=16, microbatches=4, precision="bf16",
+                               checkpoint_activations=True)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job_name", LAYOUTS)
+def test_the_memory_plan_is_what_every_rank_of_every_layout_measured(request, job_name, text):
+    """Each rank's weights, gradients and Adam's state (its local shards, to the byte) and the activations autograd
+    kept in its first step (within memory_plan.ACTIVATION_TOLERANCE), as the plan computes them from the shapes and
+    the layout alone. The two-node job's activations are left out: its recorder counts each stage's forward itself
+    (record=True, for the nodes), and the innermost hooks are the only ones torch calls."""
+    job = {"four": lambda: request.getfixturevalue("resumed")[0],
+           "alone": lambda: request.getfixturevalue("resumed")[1]}.get(job_name,
+                                                                      lambda: request.getfixturevalue(job_name))()
+    by_epoch = rank_records(job)
+    records = by_epoch[min(by_epoch)]
+    pages = text if job_name != "two_nodes" else shared_file("help_40k.txt", help_pages()[:40_000])
+    rows = compare(records, config_of("cpu", str(pages)), LAYOUTS[job_name])
+    assert len(rows) == 4 * len(records) == 4 * LAYOUTS[job_name].pp * LAYOUTS[job_name].dp * LAYOUTS[job_name].tp
+    off = [row for row in check(records, config_of("cpu", str(pages)), LAYOUTS[job_name])
+           if not (job_name == "two_nodes" and row[1] == "activation_bytes")]
+    assert off == [], off
 
 
 # --- as it is run: two nodes, bf16, dropout ---------------------------------------------------------------------------

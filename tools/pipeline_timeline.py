@@ -6,6 +6,7 @@ stage, with its start and end), read step by step, measured, and drawn.
     idle(steps[1])                                     # (span in s, {stage: the fraction of it the stage idled})
     held(steps[1], stage=0)                            # (most micro-batches held at once, their saved bytes)
     bubble(stages=2, microbatches=4)                   # 0.2: the schedule's idle fraction, in theory
+    bubble(stages=2, microbatches=4, per_rank=2)       # 0.11: interleaved, two stages on each of the 2 ranks
 
 A step's span runs from its first forward's start to its last backward's end, over all stages; a stage is busy while
 it computes a forward or a backward, idle otherwise (waiting for an activation or a gradient, or sending one).
@@ -51,10 +52,11 @@ def held(events, stage):
     return most, peak
 
 
-def bubble(stages, microbatches):
+def bubble(stages, microbatches, per_rank=1):
     """The idle fraction of a GPipe or 1F1B step when every forward and every backward takes the same time on every
-    stage: (stages - 1) / (microbatches + stages - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+    stage: (stages - 1) / (microbatches + stages - 1). With `per_rank` stages on each of `stages` ranks (an
+    interleaved 1F1B), each 1/per_rank of the model: (stages - 1) / (per_rank x microbatches + stages - 1)."""
+    return (stages - 1) / (per_rank * microbatches + stages - 1)
 
 
 def draw(axes, events, title):

@@ -1,0 +1,167 @@
+"""tools/memory_plan.py: the plan of what every rank of one_mesh.py (step 11) holds and sends. Its arithmetic, without
+processes: the shards of every layout add up to the whole model (the weights tp replicates once per tp rank), cut as
+torch.chunk cuts; checkpointing keeps less, sequence parallelism divides what lies between the blocks by tp; its walk
+of the interleaved 1F1B schedule is torch's; --fit finds a layout for the 1B size on 8 GPUs of 80 GiB and none for
+the 8B size on one. And one job of 2 ranks, whose measured shards and activations every rank's plan names."""
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+from expect import rank_records
+from tools import memory_plan
+from tools.jobs import run, shared_file, torchrun
+from tools.memory_plan import BIG, Layout, check, compare, config_of, plan, schedule, split
+from utils import make_workload
+from utils.gpt import SIZES, help_pages
+from utils.metrics import RUN_DIR_VARIABLE
+
+TEXT_CHARS = 4600  # the help pages' excerpt the other step 11 jobs learn: a vocabulary of 57 characters
+CPU = dataclasses.replace(SIZES["cpu"], vocab_size=57)
+# Layouts of the CPU GPT (2 blocks: pp 1 or 2), with uneven cuts: 57 characters over tp 4 (15, 15, 15, 12 rows), then
+# over dp 8 (a tp slice of 12 rows gives 6 of the 8 dp ranks 2 rows, the other 2 none).
+LAYOUTS = [Layout(pp, dp, tp, batch, M, precision, checkpointed)
+           for pp, dp, tp in [(1, 1, 1), (1, 2, 2), (2, 1, 1), (2, 2, 2), (2, 8, 4), (1, 3, 1), (1, 1, 4)]
+           for batch, M in [(4, 2), (8, 4)] for precision in ("fp32", "bf16") for checkpointed in (False, True)]
+
+
+def whole_model():
+    """The CPU GPT's weights by name, from the model itself (on the meta device: shapes, no memory)."""
+    return dict(make_workload("gpt-cpu", text=str(shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])),
+                              dropout=0, device="meta").model.named_parameters())
+
+
+def test_the_cut_of_a_dimension_is_torch_chunks():
+    for n, parts in itertools.product(range(0, 20), range(1, 9)):
+        pieces = [len(piece) for piece in torch.arange(n).chunk(parts)] if n else []
+        assert [split(n, parts, index) for index in range(parts)] == pieces + [0] * (parts - len(pieces)), (n, parts)
+
+
+def test_the_shards_of_every_rank_add_up_to_the_whole_model_for_every_layout():
+    """Over all ranks: every weight once per tp rank where tp replicates it (the norms, the row-wise biases), else
+    once; gradients as many; AdamW's two moments of each and a 4-byte step per parameter on each dp x tp rank."""
+    weights = whole_model()
+    assert config_of("cpu", shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])) == CPU
+    replicated = sum(p.numel() for name, p in weights.items() if "norm" in name or "proj.bias" in name)
+    whole = sum(p.numel() for p in weights.values())
+    for layout in LAYOUTS:
+        rows = plan(CPU, layout)
+        held = sum(row["params"] for row in rows)
+        assert held == 4 * (whole + (layout.tp - 1) * replicated), layout
+        assert sum(row["grads"] for row in rows) == held
+        assert sum(row["optim"] for row in rows) == 2 * held + 4 * len(weights) * layout.dp * layout.tp, layout
+        assert sorted(name for row in rows[::layout.dp * layout.tp] for name in row["layers"]) == sorted(
+            {name.split(".")[0] for name in weights}), "each layer on one pipeline rank"
+
+
+def test_a_rank_may_hold_no_row_of_a_tensor():
+    """tp 4 cuts the 57 characters 15, 15, 15, 12; dp 8 cuts the last tp slice 2, 2, 2, 2, 2, 2 and nothing twice:
+    the head's weight (57 x 64) on the last tp rank of the last dp ranks."""
+    rows = plan(CPU, Layout(2, 8, 4))
+    head = [row for row in rows if "head" in row["layers"] and row["coordinates"][2] == 3]
+    assert [split(12, 8, dp) for dp in range(8)] == [2, 2, 2, 2, 2, 2, 0, 0]
+    assert head[6]["params"] < head[5]["params"], "dp rank 6 holds no row of the head's tp slice"
+
+
+def test_activation_checkpointing_keeps_less():
+    for layout in LAYOUTS:
+        if layout.checkpoint_activations:
+            continue
+        plain, checkpointed = plan(CPU, layout), plan(CPU, dataclasses.replace(layout, checkpoint_activations=True))
+        for before, after in zip(plain, checkpointed):
+            blocks = any(name.startswith("block") for name in before["layers"])
+            assert (after["act_step"] < before["act_step"]) == blocks, layout
+            assert (after["peak_act"] < before["peak_act"]) == blocks, layout
+            assert (after["tp_bytes"] > before["tp_bytes"]) == (blocks and layout.tp > 1), "recomputed collectives"
+
+
+def test_sequence_parallelism_divides_what_lies_between_the_blocks_by_tp():
+    """With checkpointing a block keeps its input alone, which lies between the blocks: sequence parallelism keeps
+    1/tp of it (the embedding's positions and the step's ids stay whole); the stages send 1/tp of their activations."""
+    positions, ids = 8 * CPU.context, 8 * 8 * CPU.context  # int64: the arange of a micro-batch; the batch's ids
+    for tp in (2, 4):
+        split_positions = Layout(2, 1, tp, batch_size=8, microbatches=4, checkpoint_activations=True)
+        whole_positions = dataclasses.replace(split_positions, sequence_parallel=False)
+        for sp, plain in zip(plan(CPU, split_positions), plan(CPU, whole_positions)):
+            if sp["layers"] == ["embed", "block1"]:
+                assert sp["act_mb"] - positions == (plain["act_mb"] - positions) / tp
+                assert sp["act_step"] - ids - 4 * positions == (plain["act_step"] - ids - 4 * positions) / tp
+            else:
+                assert sp["act_mb"] < plain["act_mb"], "the head's norm keeps 1/tp of its input"
+            assert sp["pp_bytes"] == plain["pp_bytes"] / tp > 0
+
+
+def test_the_schedule_walked_is_torchs_interleaved_1f1b():
+    """The order of forwards and backwards of each local stage, as ScheduleInterleaved1F1B plans it on each rank."""
+    for pp, rounds in itertools.product((1, 2, 3, 4, 8), (1, 2, 3, 4)):
+        M = pp * rounds
+        for rank in range(pp):
+            torchs = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)  # its plan, without stages to run
+            torchs.n_local_stages, torchs.pp_group_size, torchs._n_microbatches = 2, pp, M
+            torchs.number_of_rounds, torchs.microbatches_per_round = rounds, pp
+            order = [(action.stage_index // pp, 1 if action.computation_type == _ComputationType.FORWARD else -1)
+                     for action in torchs._calculate_single_rank_operations(rank) if action is not None]
+            assert list(schedule(pp, M, rank)) == order, (pp, M, rank)
+
+
+def test_the_first_pipeline_rank_holds_the_most_micro_batches():
+    """Interleaved 1F1B warms up longest on the first rank: with pp 4 and M 8 (16 stages' micro-batches a rank) the
+    first rank holds about 5 micro-batches at once, the last fewer than 2; neither all of the step's."""
+    rows = plan(dataclasses.replace(BIG["1b"], n_layer=14), Layout(4, 1, 1, batch_size=8, microbatches=8))
+    held = [row["peak_act"] / row["act_mb"] for row in rows]
+    assert 4.5 < held[0] < 6 and held[-1] < 2, held
+    assert all(row["peak_act"] < row["act_step"] for row in rows)
+
+
+def test_fit_finds_a_layout_for_1b_on_8_gpus_and_none_for_8b_on_one(capsys):
+    memory_plan.main(["--fit", "--gpus", "8", "--gpu_gib", "80", "--size", "1b"])
+    listed = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("  pp ") and line.endswith("fits") for line in listed), listed
+    assert len([line for line in listed if line.startswith("  pp ")]) == 20, "pp 1, 2, 4, 8 x tp, with and without AC"
+    memory_plan.main(["--fit", "--gpus", "1", "--gpu_gib", "80", "--size", "8b"])
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  pp ")]
+    assert len(listed) == 2 and not any(line.endswith("fits") for line in listed), listed
+    assert all(total > 0.85 * 80 * 2**30 for _, total, _ in memory_plan.fit(BIG["8b"], 1, 80))
+    # On 8 GPUs, 8B sharded over dp 8 alone: the shards take 14 GiB, the gathered bf16 weights and fp32 gradients 42,
+    # the activations at their peak 36 more (7 with checkpointing): within 85% of 80 GiB only with checkpointing.
+    fits = {layout.checkpoint_activations: fit for layout, _, fit in memory_plan.fit(BIG["8b"], 8, 80)
+            if (layout.pp, layout.dp, layout.tp) == (1, 8, 1)}
+    assert fits == {False: False, True: True}
+    # The margin: a layout under 80 GiB but over 85% of it does not fit (pp 2 x dp 4 here, 71 GiB).
+    within = [(layout, fit) for layout, total, fit in memory_plan.fit(BIG["8b"], 8, 80) if 68 < total / 2**30 <= 80]
+    assert within and not any(fit for _, fit in within), within
+
+
+def test_the_command_prints_a_row_per_rank(capsys):
+    memory_plan.main(["--size", "cpu", "--pp", "2", "--dp", "2", "--tp", "2", "--batch_size", "4",
+                      "--microbatches", "2", "--checkpoint_activations", "--precision", "bf16"])
+    rows = capsys.readouterr().out.splitlines()[3:]
+    assert [int(row.split()[0]) for row in rows] == list(range(8))
+
+
+def test_check_names_what_disagrees():
+    layout = Layout(2, 1, 2)
+    records = {row["rank"]: dict(params=row["params"], grads=row["grads"], optim=row["optim"],
+                                 activation_bytes=row["act_step"]) for row in plan(CPU, layout, device="cpu")}
+    assert check(records, CPU, layout) == []
+    records[1]["params"] += 1
+    records[2]["activation_bytes"] = round(records[2]["activation_bytes"] * 1.02)
+    assert [(rank, field) for rank, field, _, _ in check(records, CPU, layout)] == [(1, "params"),
+                                                                                    (2, "activation_bytes")]
+
+
+@pytest.mark.slow
+def test_the_plan_of_every_rank_is_what_a_job_measures(tmp_path):
+    """2 ranks, tp 2 (the vocabulary cut 29 and 28), 2 micro-batches of 2 sequences: every rank's params, grads and
+    optim to the byte, its activations within ACTIVATION_TOLERANCE (measured here: to the byte)."""
+    text = shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])
+    layout = Layout(pp=1, dp=1, tp=2, batch_size=4, microbatches=2)
+    job = run(torchrun("one_mesh.py", 1, 1, "--workload", "gpt-cpu", "--text", text, "--dropout", 0, "--batch_size",
+                       4, "--pp", 1, "--tp", 2, "--microbatches", 2, nproc=2), cwd=tmp_path,
+              env={RUN_DIR_VARIABLE: "runs"}, timeout=240)
+    records = rank_records(job)[0]
+    compared = compare(records, config_of("cpu", text), layout)
+    assert len(compared) == 8 and len({planned for _, field, planned, _ in compared if field == "params"}) == 2
+    assert check(records, config_of("cpu", text), layout) == [], compared
