@@ -30,7 +30,8 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_same_arguments, require_same_start
-from utils import SEED, dcp_folder, exists_on_any_rank, load_seed_checkpoint, mesh_with_timeout, require_written_by
+from utils import exists_on_any_rank, mesh_with_timeout, require_written_by
+from utils import SEED, dcp_folder, load_seed_checkpoint
 from utils.memory import saved_for_backward, state_bytes
 from utils.pipeline import reassembled, require_a_batch, require_mesh_fits, stage_io
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu
@@ -71,16 +72,19 @@ class Trainer:
         self.local_rank = int(os.environ["LOCAL_RANK"])
         self.global_rank = int(os.environ["RANK"])
         self.device = device
-        self.model = model  # this rank's layers, already on the device: its shards of them
+        self.model = model.to(device)
         self.train_data = train_data
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.save_every = save_every
-        self.args, self.steps_per_epoch, self.mesh = args, len(train_data), mesh  # an optimizer step per batch
+        self.args, self.steps_per_epoch = args, len(train_data)  # an optimizer step per batch
+        self.mesh = mesh
         self.schedule = WarmupCosine(args.total_epochs * self.steps_per_epoch)  # warm-up, then a cosine
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule)
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)  # None: fp32
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
-        self.snapshot_path, self.saving = snapshot_path, None
+        self.snapshot_path = snapshot_path
+        self.saving = None  # the snapshot being written, if an asynchronous save is under way
         # An asynchronous save writes in a thread, over a process group of its own: its collectives never meet the
         # training's in one queue.
         self.saver = dist.new_group(backend="gloo") if args.async_save else None
@@ -89,9 +93,9 @@ class Trainer:
         require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
         # Two stages on each rank, rank r holding stages r and r + pp: each micro-batch passes every rank twice, so the
         # pipeline fills in half the time (the bubble halves) for twice the sends.
-        M, pp, dtype = args.microbatches, mesh["pp"], {"bf16": torch.bfloat16}.get(args.precision)  # None: fp32
+        M, pp = args.microbatches, mesh["pp"]
         self.stages = [PipelineStage(part, index, 2 * pp.size(), device, *stage_io(
-            model, args.batch_size // M, index, 2 * pp.size(), dtype, mesh["tp"].size()), group=pp.get_group())
+            model, args.batch_size // M, index, 2 * pp.size(), self.dtype, mesh["tp"].size()), group=pp.get_group())
             for index, part in stages]
         self.pipeline = ScheduleInterleaved1F1B(self.stages, M, loss_fn=lambda out, y: loss_fn(out, y) / M)
         self.pipeline.scale_grads = False  # each micro-batch's loss is divided by M already, on every torch version
@@ -119,8 +123,8 @@ class Trainer:
         last = any(stage.is_last for stage in self.stages)
         with loss_parallel(), saved:
             self.pipeline.step(*inputs, target=targets if last else None, losses=losses)
-        # Clip by the norm of the whole model's gradient: each DTensor's norm is over its mesh (dp x tp); the ranks of
-        # a pipeline add up their squares.
+        # Clip by the norm of the whole model's gradient: the stages add up their squared norms along the pipeline.
+        # Each weight is a DTensor: its norm is over its mesh (dp x tp) already.
         parameters = list(self.model.parameters())
         squares = torch.nn.utils.get_total_norm([p.grad for p in parameters]).full_tensor() ** 2
         dist.all_reduce(squares, group=self.mesh["pp"].get_group())
@@ -129,7 +133,7 @@ class Trainer:
         self.held = state_bytes(self.model, self.optimizer)  # the weights, gradients and Adam's state this rank holds
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # The batch's mean loss; None on the ranks without the last stage.
+        # The batch's mean loss, each micro-batch's having been divided by M; None on the stages without the losses.
         return sum(loss.full_tensor() for loss in losses).detach() if losses else None
 
     def _run_epoch(self, epoch):
@@ -142,8 +146,8 @@ class Trainer:
         for step, (source, targets) in enumerate(self.train_data):
             source, targets = source.to(self.device), targets.to(self.device)
             loss = self._run_batch(source, targets, saved if step == 0 else contextlib.nullcontext())
-            # The last stage counts its samples once per pipeline: on the first rank of its tp group.
-            if loss is not None and self.mesh["tp"].get_local_rank() == 0:
+            # The last stage of each pipeline counts its samples: once per pipeline, over the ranks.
+            if loss is not None and self.mesh["tp"].get_local_rank() == 0:  # its tp ranks have the same loss
                 totals[0] += loss * len(source)
                 totals[1] += len(source)
             if self.saving and self.saving[1].done():
@@ -159,6 +163,8 @@ class Trainer:
                   f"{tokens_per_s:,.0f} tokens/s" + (f" | MFU {utilisation:.1%}" if utilisation else ""))
 
     def _save_snapshot(self, epoch):
+        # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
+        # Each rank saves its stages' part under the whole model's names: a snapshot of the model, not of the mesh.
         self._finish_save()  # the save before this one: on disk first
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=BY_NAME)
         snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state,
@@ -192,8 +198,8 @@ class Trainer:
 
 
 def load_train_objs(args):
-    # The model built on the meta device: shapes, no memory. Each rank gives memory to its own shards only, later.
-    return make_workload(args.workload, text=args.text, dropout=args.dropout, device="meta")
+    # The model on the meta device: its shapes, no memory. Each rank gives memory to its own shards only, later.
+    return make_workload(args.workload, text=args.text, dropout=args.dropout, device="meta")  # data, model, optimizer
 
 
 def parallelize(model, mesh, args):
@@ -222,7 +228,7 @@ def parallelize(model, mesh, args):
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int, dp):
-    # The ranks of a pipeline and of its tp groups take the same batches, 1/dp of the data; whole ones.
+    # The stages of a pipeline take the same batches, 1/dp of the data; whole ones: the stages' buffers have one shape.
     return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
                       drop_last=True, sampler=DistributedSampler(dataset, dp.size(), dp.get_local_rank()))
 
@@ -248,7 +254,8 @@ def main(args):
     if args.seed_checkpoint:  # or one process's very weights, from a DCP folder of them: each rank reads its shards
         load_seed_checkpoint(model, args.seed_checkpoint)
     train_data = prepare_dataloader(workload.train_set, args.batch_size, mesh["dp"])
-    require_a_batch(train_data)  # a --batch_size larger than a dp rank's share of the data: one line
+    # A --batch_size larger than a pipeline's share of the data would leave it nothing to train on: one line.
+    require_a_batch(train_data)
     trainer = Trainer(model, stages, train_data, workload.make_optimizer(model), workload.loss_fn, device,
                       args.save_every, args.snapshot_path, args, mesh)
     trainer.train(args.total_epochs)

@@ -199,6 +199,27 @@ def test_the_demo_trains_the_mixture_of_experts_with_its_experts_split_over_two_
     assert not set(epoch_0[0]["indices"]) & set(epoch_0[1]["indices"]), "ep ranks train on samples of their own"
 
 
+@pytest.mark.slow
+def test_the_demo_trains_the_gpt_on_a_pp2_x_tp2_mesh_with_two_stages_a_rank(demo_run):
+    """Step 11 on 4 ranks, pp 2 x dp 1 x tp 2: rank = 2 pp + tp; pipeline rank 0 runs stages 0 and 2, pipeline rank 1
+    stages 1 and 3 (recorded pass by pass); all four read the same batches (one dp rank); every rank writes its shards
+    of the snapshot, rank 0 alone the whole model's plain file."""
+    job, folder = demo_run["jobs"]["one_mesh.py"], demo_run["run_dir"]
+    assert job.ok and sorted(job.losses) == [0] and output.samples(job.output), job.output
+    epoch_0 = {row["rank"]: row for row in job.samples if row["epoch"] == 0}
+    assert {rank: row["mesh"] for rank, row in epoch_0.items()} == {
+        0: {"pp": 0, "dp": 0, "tp": 0}, 1: {"pp": 0, "dp": 0, "tp": 1},
+        2: {"pp": 1, "dp": 0, "tp": 0}, 3: {"pp": 1, "dp": 0, "tp": 1}}
+    assert len({tuple(row["indices"]) for row in epoch_0.values()}) == 1, "one dp rank: the same batches on all four"
+    stages = {}
+    for record in job.records("pipeline.jsonl"):
+        stages.setdefault(record["rank"], set()).add(record["stage"])
+    assert stages == {0: {0, 2}, 1: {0, 2}, 2: {1, 3}, 3: {1, 3}}, stages
+    assert sorted(path.name for path in (folder / "mesh_snapshot").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"], "every rank wrote its shards"
+    assert job.writes == [(job.writes[0][0], 0, str(folder / "mesh_model_full.pt"))], job.writes
+
+
 # --- what DDP's gradient averaging means ----------------------------------------------------------------------------
 
 def train_in_one_process(batch_size, epochs=EPOCHS):

@@ -97,6 +97,14 @@ def main():
                                       torchrun("expert_parallel.py", 1, 1, "--ep", min(GPUS, 2) or 2,
                                                *(["--precision", "bf16"] if GPUS else []),
                                                nproc=min(GPUS, 2) or 2), timeout=args.timeout)
+    # Step 11 on 4 processes, a mesh of pp 2 x tp 2 (dp 1): each pipeline rank holds 2 of the GPT's 4 stages, each
+    # stage's blocks split over 2 ranks. On a CPU, on step 7's excerpt (8 processes, dp 2, took 1.6 times as long); on
+    # GPUs, 4 of them, or a pipeline alone on 2 or 3, both stages on the one rank on 1. Its snapshot: mesh_snapshot/.
+    pp, tp = (2, 2) if GPUS >= 4 or not GPUS else (min(GPUS, 2), 1)
+    jobs["one_mesh.py"] = show(f"Step 11: one mesh of pp {pp} x tp {tp}, two pipeline stages a rank",
+                               torchrun("one_mesh.py", 1, 1, "--pp", pp, "--tp", tp,
+                                        *(["--precision", "bf16"] if GPUS else []), nproc=pp * tp),
+                               env={TEXT_VARIABLE: excerpt} if excerpt else None, timeout=args.timeout)
 
     fault = show("Step 3 under fire: a worker SIGKILLed, torchrun restarts the group, the job resumes",
                  python("tools/fault_demo.py", "--timeout", args.timeout), timeout=args.timeout + 30, narrated=True)
