@@ -12,6 +12,14 @@ import sys
 import pytest
 import torch
 
+from expect import help_excerpt
+
+
+@pytest.fixture(scope="session")
+def text():
+    """The help pages' excerpt that the GPT steps' exact jobs learn (expect.help_excerpt), as a file."""
+    return help_excerpt()
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """What a correct run of a step shows: assertions that several test files make about a finished job, the sharded
-snapshots of steps 5, 7, 8 and 10 read back whole, each epoch's loss over every rank from the per-rank metrics, the
+snapshots of steps 5, 7, 8, 10 and 11 read back whole, each epoch's loss over every rank from the per-rank metrics, the
 largest difference between two sets of weights, and a step's checks before its process group, run in the test's
-process."""
+process; and the excerpt of the help pages that the GPT steps' exact jobs learn."""
 import json
 import runpy
 import sys
@@ -12,8 +12,19 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tools.jobs import output, saved_name, script
+from tools.jobs import output, saved_name, script, shared_file
 from utils import make_workload
+from utils.gpt import help_pages
+
+# The excerpt of the help pages the GPT steps' exact jobs learn: 90% to train on, 64 sequences of 64 (+1) characters;
+# 7 held out. A vocabulary of 57 characters.
+EXCERPT_CHARS = 4600
+
+
+def help_excerpt():
+    """The excerpt as a file named by its content (tools.jobs.shared_file): the test files' and the notebooks' jobs
+    that learn it name the same file, so a job they share runs once in a test session."""
+    return shared_file("help_excerpt.txt", help_pages()[:EXCERPT_CHARS])
 
 
 def assert_learned(text, epochs):

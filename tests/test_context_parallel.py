@@ -16,14 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from expect import epoch_losses, farthest, stopped_as_rank_0
-from tools.jobs import free_port, output, run, shared_file, torchrun, torchrun_node
+from tools.jobs import free_port, output, run, torchrun, torchrun_node
 from tools.one_process import tensors, train_gpt
 from utils import evaluate, make_workload
 from utils.context import Ring, gathered_attention, positions_of, ring_attention
-from utils.gpt import help_pages
 from utils.metrics import RUN_DIR_VARIABLE
 
-TEXT_CHARS = 4600  # 90% to train on: 64 sequences of 64 (+1) characters; 7 held out
 B, EPOCHS, STEPS = 8, 2, 8  # sequences per optimizer step (all dp groups together), epochs, steps an epoch
 SNAPSHOT = "cp_snapshot.pt"
 # Equal up to float rounding: the ring adds each query's attention up block by block (an online softmax, in float32),
@@ -31,11 +29,6 @@ SNAPSHOT = "cp_snapshot.pt"
 # Measured here (torch 2.14.1, x86): every epoch's loss within 2.6e-6, the weights within 4.6e-5 (all three jobs);
 # one process training other batches (4 per step) ends 0.126 away.
 LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-5, 2e-4
-
-
-@pytest.fixture(scope="module")
-def text():
-    return shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])  # named by its content: shared jobs match
 
 
 def context_parallel(folder, text, epochs, *args, nproc=2, batch_size=B, dropout=0, **options):

@@ -25,7 +25,6 @@ from utils.gpt import GPTConfig, help_pages
 from utils.metrics import RUN_DIR_VARIABLE
 from utils.moe import MoE, split_experts
 
-TEXT_CHARS = 4600  # 90% to train on: 64 sequences of 64 (+1) characters; 7 held out
 B, EPOCHS, STEPS = 8, 2, 8  # sequences per optimizer step (all ranks together), epochs, steps an epoch
 SNAPSHOT = "ep_snapshot"
 # Equal up to float rounding: a rank's experts take the tokens of every rank of its group in another order than one
@@ -33,11 +32,6 @@ SNAPSHOT = "ep_snapshot"
 # few weights. Measured here (torch 2.14.1, x86): every epoch's loss within 1.8e-7, the weights within 4.5e-5 (all
 # four jobs); one process training other batches (4 per step) ends 0.123 away.
 LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-5, 2e-4
-
-
-@pytest.fixture(scope="module")
-def text():
-    return shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])  # named by its content: shared jobs match
 
 
 def expert_parallel(folder, text, epochs, *args, nproc=2, batch_size=B // 2, **options):

@@ -278,7 +278,6 @@ def test_git_ignores_what_a_save_leaves_when_it_is_cut_short():
     assert ignored.split() == names
 
 
-
 @pytest.mark.slow
 @pytest.mark.skipif(not ROOT, reason="mounts a small tmpfs: needs root")
 def test_a_full_disk_stops_the_job_with_one_line_removes_the_partial_file_and_keeps_the_last_snapshot(tmp_path):
@@ -382,7 +381,6 @@ def test_ctrl_c_to_the_process_that_spawned_the_workers_stops_them_at_once_and_k
                                         "last one saved"), job.output[-2000:]
     assert max(job.losses) < 150, "the workers stopped at once, not after the last epoch"
     make_workload().model.load_state_dict(torch.load(tmp_path / "checkpoint.pt", weights_only=True))  # whole
-
 
 
 @pytest.mark.slow

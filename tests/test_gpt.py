@@ -18,14 +18,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from expect import assert_bitwise_equal, assert_one_writer
-from tools.jobs import output, run, script, shared_file, start, torchrun
+from expect import EXCERPT_CHARS, assert_bitwise_equal, assert_one_writer
+from tools.jobs import output, run, script, start, torchrun
 from utils import evaluate, make_workload
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
 from utils.loop import PEAK_VARIABLE, WarmupCosine, compiler_missing, peak_flops
 from utils.metrics import RUN_DIR_VARIABLE
 
-TEXT_CHARS = 4600  # 90% to train on: 4,140 characters, 64 blocks of 64 (+1) characters; 7 blocks held out
 B, K = 4, 2  # micro-batch per rank, micro-batches per optimizer step
 STEPS_PER_EPOCH = 64 // (2 * K * B)  # 4
 EPOCHS = 2
@@ -33,11 +32,6 @@ ACCUMULATED = ("--batch_size", B, "--grad_accum", K)
 SNAPSHOT = "gpt_snapshot.pt"
 LR = 6e-3  # the CPU size's peak learning rate
 DROPOUT = 0.1  # the CPU size has none; the runs that prove the random states are resumed need some
-
-
-@pytest.fixture(scope="module")
-def text():
-    return shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])  # named by its content: shared jobs match
 
 
 def gpt_args(text, *more):
@@ -132,7 +126,7 @@ def test_the_snapshot_holds_everything_the_loop_depends_on(uninterrupted):
     assert snapshot["SCHEDULER_STATE"]["last_epoch"] == 3 * STEPS_PER_EPOCH  # stepped once per optimizer step
     schedule = snapshot["SCHEDULER_STATE"]["lr_lambdas"][0]  # WarmupCosine's own state: how long, where
     assert schedule["total_steps"] == 3 * STEPS_PER_EPOCH, schedule
-    assert snapshot["MODEL_STATE"]["_extra_state"]["text"]["characters"] == TEXT_CHARS  # what the GPT learned
+    assert snapshot["MODEL_STATE"]["_extra_state"]["text"]["characters"] == EXCERPT_CHARS  # what the GPT learned
     assert snapshot["SCALER_STATE"] == {}  # fp32: the gradient scaler is off
     cpu_states = [cpu for cpu, cuda in snapshot["RNG_STATES"]]
     assert len(cpu_states) == 2 and not torch.equal(*cpu_states), "each rank's own random state (dropout)"
@@ -371,7 +365,7 @@ def excerpt_gpt(tmp_path, name="excerpt.txt", reversed_=False):
     """The GPT workload of the CPU's size on the tests' excerpt of the help pages (or on that excerpt backwards: the
     same characters, another text), written to tmp_path/name."""
     path = tmp_path / name
-    path.write_text(help_pages()[:TEXT_CHARS][::-1 if reversed_ else 1])
+    path.write_text(help_pages()[:EXCERPT_CHARS][::-1 if reversed_ else 1])
     return make_workload("gpt-cpu", text=str(path))
 
 
@@ -413,8 +407,8 @@ def test_a_snapshot_of_a_gpt_of_another_text_stops_with_one_line(tmp_path):
     assert other.model.vocab == excerpt_gpt(tmp_path).model.vocab, "the test needs two texts of one vocabulary"
     message = snapshot_problem(tmp_path, dict(MODEL_STATE=other.model.state_dict(), EPOCHS_RUN=1))
     assert re.fullmatch(rf"error: cannot resume from \S+{SNAPSHOT} \(ValueError: it holds a GPT of another text "
-                        rf"\(backwards\.txt, {TEXT_CHARS:,} characters\) than this run's "
-                        rf"\(excerpt\.txt, {TEXT_CHARS:,} characters\): give the text it was trained on "
+                        rf"\(backwards\.txt, {EXCERPT_CHARS:,} characters\) than this run's "
+                        rf"\(excerpt\.txt, {EXCERPT_CHARS:,} characters\): give the text it was trained on "
                         r"\(--text\), or another --snapshot_path to start anew\); it is left in place: move it away to "
                         r"start anew", message), message
 

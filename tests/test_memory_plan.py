@@ -10,15 +10,14 @@ import pytest
 import torch
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
-from expect import rank_records
+from expect import help_excerpt, rank_records
 from tools import memory_plan
-from tools.jobs import run, shared_file, torchrun
+from tools.jobs import run, torchrun
 from tools.memory_plan import BIG, Layout, check, compare, config_of, plan, schedule, split
 from utils import make_workload
-from utils.gpt import SIZES, help_pages
+from utils.gpt import SIZES
 from utils.metrics import RUN_DIR_VARIABLE
 
-TEXT_CHARS = 4600  # the help pages' excerpt the other step 11 jobs learn: a vocabulary of 57 characters
 CPU = dataclasses.replace(SIZES["cpu"], vocab_size=57)
 # Layouts of the CPU GPT (2 blocks: pp 1 or 2), with uneven cuts: 57 characters over tp 4 (15, 15, 15, 12 rows), then
 # over dp 8 (a tp slice of 12 rows gives 6 of the 8 dp ranks 2 rows, the other 2 none).
@@ -29,7 +28,7 @@ LAYOUTS = [Layout(pp, dp, tp, batch, M, precision, checkpointed)
 
 def whole_model():
     """The CPU GPT's weights by name, from the model itself (on the meta device: shapes, no memory)."""
-    return dict(make_workload("gpt-cpu", text=str(shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])),
+    return dict(make_workload("gpt-cpu", text=str(help_excerpt()),
                               dropout=0, device="meta").model.named_parameters())
 
 
@@ -43,7 +42,7 @@ def test_the_shards_of_every_rank_add_up_to_the_whole_model_for_every_layout():
     """Over all ranks: every weight once per tp rank where tp replicates it (the norms, the row-wise biases), else
     once; gradients as many; AdamW's two moments of each and a 4-byte step per parameter on each dp x tp rank."""
     weights = whole_model()
-    assert config_of("cpu", shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])) == CPU
+    assert config_of("cpu", help_excerpt()) == CPU
     replicated = sum(p.numel() for name, p in weights.items() if "norm" in name or "proj.bias" in name)
     whole = sum(p.numel() for p in weights.values())
     for layout in LAYOUTS:
@@ -156,7 +155,7 @@ def test_check_names_what_disagrees():
 def test_the_plan_of_every_rank_is_what_a_job_measures(tmp_path):
     """2 ranks, tp 2 (the vocabulary cut 29 and 28), 2 micro-batches of 2 sequences: every rank's params, grads and
     optim to the byte, its activations within ACTIVATION_TOLERANCE (measured here: to the byte)."""
-    text = shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])
+    text = help_excerpt()
     layout = Layout(pp=1, dp=1, tp=2, batch_size=4, microbatches=2)
     job = run(torchrun("one_mesh.py", 1, 1, "--workload", "gpt-cpu", "--text", text, "--dropout", 0, "--batch_size",
                        4, "--pp", 1, "--tp", 2, "--microbatches", 2, nproc=2), cwd=tmp_path,

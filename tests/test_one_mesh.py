@@ -28,7 +28,6 @@ from utils import load_seed_checkpoint, make_workload
 from utils.gpt import help_pages
 from utils.metrics import RUN_DIR_VARIABLE
 
-TEXT_CHARS = 4600  # 90% to train on: 64 sequences of 64 (+1) characters; 7 held out
 B, EPOCHS, STEPS = 8, 3, 8  # sequences per batch (all dp ranks together), epochs, optimizer steps an epoch
 SNAPSHOT = "mesh_snapshot"
 # Equal up to float rounding: one process sums the whole batch's gradients at once; the mesh sums each tp rank's
@@ -37,11 +36,6 @@ SNAPSHOT = "mesh_snapshot"
 # epoch's loss within 2e-6 (float32 sums of the ranks' losses), the weights within 5.8e-5 after 24 steps, 7.6e-5 after
 # the 4 ranks' epoch and 6.8e-5 after the one process's; one process training other batches (4 a step) ends 0.15 away.
 LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-5, 2e-4
-
-
-@pytest.fixture(scope="module")
-def text():
-    return shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])  # named by its content: shared jobs match
 
 
 def one_mesh(folder, epochs, text, *args, nproc=8, batch_size=B // 2, **options):

@@ -23,14 +23,13 @@ from torch.utils.data.distributed import DistributedSampler
 
 from expect import assert_bitwise_equal, sharded_snapshot, stopped_as_rank_0
 from tools import pipeline_timeline
-from tools.jobs import free_port, output, run, shared_file, torchrun, torchrun_node
+from tools.jobs import free_port, output, run, torchrun, torchrun_node
 from tools.one_process import train_gpt
 from utils import make_workload
-from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
+from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE
 from utils.metrics import RUN_DIR_VARIABLE
 from utils.pipeline import require_a_batch, require_pipeline_fits
 
-TEXT_CHARS = 4600  # 90% to train on: 64 sequences of 64 (+1) characters; 7 held out
 B, EPOCHS, STEPS = 8, 2, 8  # sequences per batch (all pipelines together), epochs, optimizer steps an epoch
 SNAPSHOT = "pp_snapshot"
 # Equal up to float rounding: one process sums the whole batch's gradients at once, the stages micro-batch by
@@ -39,11 +38,6 @@ SNAPSHOT = "pp_snapshot"
 # within 5.0e-5 after 16 steps and 6.0e-5 after 32 (2 stages, then the other cuts); one process training other
 # batches (4 per step) ends 0.13 away.
 LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-5, 2e-4
-
-
-@pytest.fixture(scope="module")
-def text():
-    return shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])  # named by its content: shared jobs match
 
 
 def gpt_args(text, *more, batch_size=B):

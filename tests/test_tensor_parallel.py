@@ -18,22 +18,16 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from expect import assert_bitwise_equal, sharded_snapshot, stopped_as_rank_0
-from tools.jobs import free_port, output, run, shared_file, torchrun, torchrun_node
+from tools.jobs import free_port, output, run, torchrun, torchrun_node
 from utils import evaluate, make_workload, require_written_by
-from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, CausalSelfAttention, help_pages
+from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, CausalSelfAttention
 
-TEXT_CHARS = 4600  # 90% to train on: 64 blocks of 64 (+1) characters; 7 blocks held out
 GLOBAL_BATCH = 8  # sequences per optimizer step, all dp ranks together
 EPOCHS = 2
 # Equal up to float rounding, which Adam magnifies (it divides each step by the gradients' running magnitude; lr 6e-3):
 # measured here, the recorded losses within 1.8e-5 of one process's and the weights within 9.1e-5 after 16 to 24
 # steps, where one process training other batches (4 per step) ends 0.17 away.
 LOSS_TOLERANCE, WEIGHT_TOLERANCE = 5e-5, 3e-4
-
-
-@pytest.fixture(scope="module")
-def text():
-    return shared_file("help_excerpt.txt", help_pages()[:TEXT_CHARS])  # named by its content: shared jobs match
 
 
 def exact(text):
