@@ -86,8 +86,9 @@ class Trainer:
         self.snapshot_path = snapshot_path
         self.saving = None  # the snapshot being written, if an asynchronous save is under way
         # An asynchronous save writes in a thread, over a process group of its own: its collectives never meet the
-        # training's in one queue.
-        self.saver = dist.new_group(backend="gloo") if args.async_save else None
+        # training's in one queue. They too give up after --timeout.
+        saver_timeout = timedelta(seconds=args.timeout)
+        self.saver = dist.new_group(backend="gloo", timeout=saver_timeout) if args.async_save else None
         # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
         self.epochs_run = self._load_snapshot() if exists_on_any_rank(snapshot_path, device) else 0
         require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk

@@ -155,7 +155,7 @@ def step11_trainer(mesh, M, batch_size, text_path, folder, checkpoint_activation
 
     options = Namespace(pp=mesh["pp"].size(), tp=mesh["tp"].size(), microbatches=M, batch_size=batch_size,
                         precision="fp32", grad_clip=1.0, checkpoint_activations=checkpoint_activations,
-                        async_save=False, total_epochs=1000, peak_tflops=None)
+                        async_save=False, timeout=600, total_epochs=1000, peak_tflops=None)
     workload = make_workload("gpt-cpu", text=text_path, dropout=0, device="meta")
     model, stages = one_mesh.parallelize(workload.model, mesh, options)
     model.to_empty(device="cpu")

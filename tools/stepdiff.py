@@ -81,8 +81,8 @@ LARGER_BUDGETS = {
     # once whole (a method of 10 lines), the loss under loss_parallel and clipped by a norm over DTensors and stages, the
     # per-rank memory the plan is checked against (4 lines), the export to one plain file, and five options. Less step
     # 8's random-state snapshot (dropout is seeded by epoch and rank) and its GPipe/1F1B choice, whose removed lines
-    # count too. Each comment a sentence above its code: 296 lines, 229 changed, against its issue's (220, -).
-    "one_mesh.py": (296, 229),
+    # count too. Each comment a sentence above its code: 297 lines, 230 changed, against its issue's (220, -).
+    "one_mesh.py": (297, 230),
 }
 BLOCK = re.compile(r"(<!-- diff (\S+) (\S+) -->\n)(.*?)(<!-- end diff -->)", re.S)
 

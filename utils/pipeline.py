@@ -6,15 +6,14 @@ cut into stages, the stage, the schedule and the micro-batches stay in the steps
     require_mesh_fits(args, world_size)         the same for step 11's mesh of pp x dp x tp
     require_a_batch(train_data)                 one line and exit when a pipeline gets no whole batch in an epoch
     stage_io(model, micro_batch, stage, stages) what a stage receives and sends per micro-batch (their shapes)
-    reassembled(*stages)                        the whole GPT again, from every rank's stages
+    reassembled(stage)                          the whole GPT again, from every rank's stages
 """
 import os
 
 import torch
 import torch.distributed as dist
-from torch.torch_version import TorchVersion
-
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.torch_version import TorchVersion
 
 from utils.gpt import GPT, size_of, unwrap
 from utils.helpers import require_dense_gpt
@@ -74,7 +73,7 @@ def require_mesh_fits(args, world_size):
     if args.batch_size % M or M % pp:
         raise SystemExit(f"error: --microbatches {M} must divide --batch_size {args.batch_size} and be a multiple of "
                          f"--pp {pp}: the micro-batches have one size, and go through the pipeline in rounds of pp")
-    if gloo and (version < (2, 9) or (2, 9) <= version < (2, 10)):
+    if gloo and version < (2, 10):
         raise SystemExit(f"error: torch {torch.__version__} cannot train this on CPU processes (its FSDP sums the "
                          "gradients instead of averaging them before 2.9, and 2.9's pipelining fails on gloo): use "
                          "torch 2.10 or newer there (on GPUs, 2.6 or newer)")
