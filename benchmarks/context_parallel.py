@@ -22,6 +22,16 @@ context_parallel.py does) and with the contiguous one (rank r holds chunk r of c
   peak MiB   the same for every tensor the forward and backward make, not what a kernel allocates inside itself
 The last three are the most of any rank. Rounds take the configurations in turn, in reverse order every other round:
 load drifting on the machine slows none of them more than another.
+
+Then, untimed, the ring (balanced split) at cp 2 and 4 once more, for two more tables:
+  traffic    its sends in one forward and its backward, q, k and v in float32 and in bfloat16: how many and their
+             bytes, the most of any rank, counted as torch.distributed.batch_isend_irecv takes them (the ring sends
+             by nothing else); a block is a rank's keys and values stacked, 2 x batch x heads x context/cp x head_size
+  precision  the gradients of q, k and v with all four inputs in bfloat16 (the output's gradient too), against whole
+             causal attention's in float64 on the same bfloat16 numbers: the root mean square of the error over every
+             position, relative to the gradient's, with the gradients of keys and values sent in float32 (as
+             utils/context.py's GRADIENTS_IN_TRANSIT does) and in bfloat16; cp 1 is the ring's code on one process,
+             which sends nothing; under it, the same of the exact gradients rounded to bfloat16 once
 """
 import argparse
 import json
@@ -40,6 +50,10 @@ from utils import exit_without_teardown, positive_int  # noqa: E402
 
 CPS = [1, 2, 4]
 EXCHANGES = [("ring", "balanced"), ("ring", "contiguous"), ("all-gather", "balanced")]
+# The ring's traffic, counted with q, k and v in either dtype.
+SENT = [(cp, dtype) for cp in CPS if cp > 1 for dtype in ("float32", "bfloat16")]
+# The ring's gradients with bfloat16 inputs, the gradients of keys and values sent in either dtype (none at cp 1).
+TRANSITS = [(1, "float32")] + [(cp, transit) for cp in CPS if cp > 1 for transit in ("float32", "bfloat16")]
 
 
 def tracker(inputs):
@@ -77,8 +91,10 @@ def tracker(inputs):
 def worker(rank, args, result_path):
     import torch
     import torch.distributed as dist
+    import torch.nn.functional as F
 
-    from utils.context import Ring, gathered_attention, ring_attention
+    from utils import context
+    from utils.context import Ring, gathered_attention, positions_of, ring_attention
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=max(CPS), timeout=timedelta(seconds=args.timeout))
@@ -117,6 +133,54 @@ def worker(rank, args, result_path):
             del out
         return dict(scores=scores[0] / args.context ** 2, saved=sum(saved.values()), kv=kv, peak=mode.peak[0])
 
+    def traffic(cp, dtype):
+        """The ring's sends (balanced split) of one forward and one backward with q, k and v in `dtype`: the bytes of
+        each block this rank posts, counted as dist.batch_isend_irecv takes them (the ring sends by nothing else)."""
+        posted, post = [], dist.batch_isend_irecv
+
+        def counted(ops):
+            posted.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+            return post(ops)
+
+        q, k, v, grad = (tensor.detach().to(getattr(torch, dtype)).requires_grad_(i < 3)
+                         for i, tensor in enumerate(inputs[cp]))
+        chunks_by_rank = [[r, 2 * cp - 1 - r] for r in range(cp)]
+        dist.batch_isend_irecv = counted
+        try:
+            out = ring_attention(q, k, v, groups[cp], chunks_by_rank, 2 * cp)
+            forward = list(posted)
+            out.backward(grad)
+        finally:
+            dist.batch_isend_irecv = post
+        return dict(block=2 * k.numel() * k.element_size(), forward=forward, backward=posted[len(forward):])
+
+    def precision(cp, transit):
+        """The ring's gradients (balanced split) with q, k, v and the output's gradient in bfloat16, the gradients of
+        keys and values sent in `transit`, against whole attention's in float64 on the same bfloat16 numbers: per
+        gradient (dQ, dK, dV) the error's root mean square over the group's positions, relative to the gradient's; and
+        the same of the exact gradients rounded to bfloat16 once, the least any bfloat16 gradient can be off."""
+        # The same sequence on every rank: each takes its chunks of it.
+        torch.manual_seed(1234)
+        q, k, v, grad = (torch.randn(args.batch, args.heads, args.context, args.head_size, dtype=torch.float64)
+                         .bfloat16() for _ in range(4))
+        whole = [tensor.double().requires_grad_() for tensor in (q, k, v)]
+        F.scaled_dot_product_attention(*whole, is_causal=True).backward(grad.double())
+        chunks_by_rank = [[r, 2 * cp - 1 - r] for r in range(cp)]
+        mine = positions_of(chunks_by_rank[rank], 2 * cp, args.context)
+        parts = [tensor[:, :, mine].clone().requires_grad_() for tensor in (q, k, v)]
+        context.GRADIENTS_IN_TRANSIT = getattr(torch, transit)
+        try:
+            ring_attention(*parts, groups[cp], chunks_by_rank, 2 * cp).backward(grad[:, :, mine])
+        finally:
+            context.GRADIENTS_IN_TRANSIT = torch.float32
+        squares = torch.tensor([[((part.grad.double() - exact) ** 2).sum(), ((exact.bfloat16() - exact) ** 2).sum(),
+                                 (exact ** 2).sum()] for part, exact in
+                                ((part, tensor.grad[:, :, mine]) for part, tensor in zip(parts, whole))])
+        # The sums over every rank's positions.
+        dist.all_reduce(squares, group=groups[cp])
+        return dict(ring=(squares[:, 0] / squares[:, 2]).sqrt().tolist(),
+                    rounded=(squares[:, 1] / squares[:, 2]).sqrt().tolist())
+
     configurations = [(cp, exchange, split) for cp in CPS for exchange, split in EXCHANGES]
     figures = {key: dict(cpu=[], wall=[]) for key in configurations}
     for round_ in range(args.rounds + 1):  # round 0 warms up (its times are left out) and measures the memory
@@ -131,14 +195,24 @@ def worker(rank, args, result_path):
                 figures[key].update(memory(*key) if not round_ else {})
             dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank's
             figures[key]["wall"].append(wall.item())
+    sends, errors = {}, {}
+    for cp, dtype in SENT:
+        dist.barrier()
+        sends[cp, dtype] = traffic(cp, dtype) if rank < cp else None
+    for cp, transit in TRANSITS:
+        dist.barrier()
+        errors[cp, transit] = precision(cp, transit) if rank < cp else None
     everyone = [None] * max(CPS)  # each rank's figures of each configuration, None where it had no part
-    dist.all_gather_object(everyone, [dict(figures[key], cpu=min(figures[key]["cpu"][1:])) if rank < key[0] else None
-                                      for key in configurations])
+    dist.all_gather_object(everyone, ([dict(figures[key], cpu=min(figures[key]["cpu"][1:])) if rank < key[0] else None
+                                       for key in configurations], [sends[key] for key in SENT]))
     if rank == 0:
-        Path(result_path).write_text(json.dumps([
-            dict(cp=cp, exchange=exchange, split=split, ranks=[theirs[i] for theirs in everyone[:cp]],
+        Path(result_path).write_text(json.dumps(dict(attention=[
+            dict(cp=cp, exchange=exchange, split=split, ranks=[theirs[0][i] for theirs in everyone[:cp]],
                  step=min(figures[cp, exchange, split]["wall"][1:])) for i, (cp, exchange, split) in
-            enumerate(configurations)]))
+            enumerate(configurations)], traffic=[
+            dict(cp=cp, dtype=dtype, ranks=[theirs[1][i] for theirs in everyone[:cp]])
+            for i, (cp, dtype) in enumerate(SENT)], precision=[
+            dict(errors[cp, transit], cp=cp, transit=transit) for cp, transit in TRANSITS])))
     dist.destroy_process_group()
     exit_without_teardown()  # as the step scripts do: a gloo thread may still hold tensors at interpreter exit
 
@@ -154,6 +228,30 @@ def table(rows):
                      f"{' / '.join(f'{ms:.1f}' for ms in cpu)} | {max(cpu) / min(cpu):.2f} | {row['step'] * 1e3:.1f} | "
                      f"{most} |")
     return "\n".join(lines)
+
+
+def traffic_table(rows):
+    """Per cp and dtype of q, k and v: the ring's sends of one forward and one backward, the most of any rank."""
+    lines = ["| cp | q, k, v | block MiB | forward sends | forward MiB | backward sends | backward MiB | "
+             "backward / forward |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        forward, backward = (max(sum(rank[name]) for rank in row["ranks"]) for name in ("forward", "backward"))
+        count = {name: max(len(rank[name]) for rank in row["ranks"]) for name in ("forward", "backward")}
+        lines.append(f"| {row['cp']} | {row['dtype']} | {row['ranks'][0]['block'] / 2**20:.3f} | {count['forward']} | "
+                     f"{forward / 2**20:.3f} | {count['backward']} | {backward / 2**20:.3f} | "
+                     f"{backward / forward:.2f} |")
+    return "\n".join(lines)
+
+
+def precision_table(rows):
+    """Per cp and dtype the gradients of keys and values travel in: the ring's error of each gradient, in % of it;
+    under the table, the error of the exact gradients rounded to bfloat16 once."""
+    lines = ["| cp | dK, dV sent in | dQ error | dK error | dV error |", "|---:|---|---:|---:|---:|"]
+    for row in rows:
+        errors = " | ".join(f"{error:.3%}" for error in row["ring"])
+        lines.append(f"| {row['cp']} | {row['transit'] if row['cp'] > 1 else 'not sent'} | {errors} |")
+    rounded = ", ".join(f"{name} {error:.3%}" for name, error in zip(("dQ", "dK", "dV"), rows[0]["rounded"]))
+    return "\n".join(lines + [f"the exact gradients rounded to bfloat16 once: {rounded}"])
 
 
 def imbalance(rows):
@@ -182,8 +280,12 @@ def main():
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                       CUDA_VISIBLE_DEVICES="")
     began = time.perf_counter()
-    rows = spawned_result(worker, (args,), max(CPS), args.timeout, "the context-parallel benchmark")
+    result = spawned_result(worker, (args,), max(CPS), args.timeout, "the context-parallel benchmark")
+    rows = result["attention"]
     print(f"{table(rows)}\n{imbalance(rows)}")
+    print(f"the ring's sends, balanced split, one forward and its backward:\n{traffic_table(result['traffic'])}")
+    print("the ring's gradients with q, k, v in bfloat16, against float64 on the same numbers (root mean square error, "
+          f"relative):\n{precision_table(result['precision'])}")
     print(f"{time.perf_counter() - began:.0f} s; at the end: {machine_summary()}")
 
 

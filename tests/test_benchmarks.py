@@ -346,9 +346,9 @@ def test_communication_counts_each_layouts_collectives_per_optimizer_step(tmp_pa
     attention and after the MLP) and twice in the backward (at their inputs); FSDP gathers each of its 4 units
     (embedding, 2 blocks, head) before the forward and the backward and reduce-scatters them; DDP only all-reduces.
     CP's ring of 4, in each block's attention: 3 sends of a block of keys and values in the forward (each rank's block
-    visits the 3 others), 3 again in the backward and 4 of their gradients (home after a whole turn), on top of DDP's
-    all-reduce. A block: K and V of 16 sequences x 4 heads x 16 positions x 16 dimensions in float32, 0.125 MiB;
-    20 of them are 2.50 MiB.
+    visits the 3 others), 3 again in the backward and 3 of their gradients (a partial sum from the rank after the
+    block's owner around to the owner), on top of DDP's all-reduce. A block: K and V of 16 sequences x 4 heads x 16
+    positions x 16 dimensions in float32, 0.125 MiB, and its gradients as much (float32); 18 of them are 2.25 MiB.
     EP, the mixture-of-experts GPT (2 MoE layers): in each layer's forward one all-reduce of its tokens per expert over
     all ranks and three all-to-alls over ep (the counts, the tokens, the outputs back), in its backward two (the
     tokens' gradients both ways), whatever the routing; what they send depends on it, but is more than nothing. The
@@ -370,9 +370,9 @@ def test_communication_counts_each_layouts_collectives_per_optimizer_step(tmp_pa
     assert rows["2D"][1] == ("4 all-gather over dp (fwd), 4 all-reduce over tp (fwd), 4 all-gather over dp (bwd), "
                              "4 all-reduce over tp (bwd), 4 reduce-scatter over dp (bwd)"), text
     assert re.fullmatch(r"[\d.]+ \(dp\) \+ [\d.]+ \(tp\)", rows["2D"][2]), rows["2D"]
-    assert re.fullmatch(r"6 send/recv over cp \(fwd\), \d all-reduce over all \(bwd\), 14 send/recv over cp \(bwd\)",
+    assert re.fullmatch(r"6 send/recv over cp \(fwd\), \d all-reduce over all \(bwd\), 12 send/recv over cp \(bwd\)",
                         rows["CP"][1]), rows["CP"]
-    assert re.fullmatch(r"[\d.]+ \(all\) \+ 2\.50 \(cp\)", rows["CP"][2]), rows["CP"]
+    assert re.fullmatch(r"[\d.]+ \(all\) \+ 2\.25 \(cp\)", rows["CP"][2]), rows["CP"]
     assert re.fullmatch(r"\d all-reduce over all \(bwd\)", rows["MoE DDP"][1]), rows["MoE DDP"]
     ep = ("2 all-reduce over all (fwd), 6 all-to-all over ep (fwd), 1 all-reduce over all (bwd), {}"
           "4 all-to-all over ep (bwd)")
@@ -405,13 +405,35 @@ def test_context_parallel_reports_each_ranks_share_and_the_last_ranks_against_th
                                                 "scores in 2.50x its CPU time")
 
 
+def test_context_parallel_reports_the_rings_sends_per_pass_and_the_error_of_its_gradients():
+    """The traffic table: sends and MiB of each pass, the most of any rank, and backward's bytes over forward's; the
+    precision table: each gradient's relative error in %, cp 1 sending nothing, the error of one rounding under it."""
+    context_parallel = benchmark("context_parallel")
+    mib = 2**20
+    traffic = [dict(cp=2, dtype="bfloat16",
+                    ranks=[dict(block=mib / 2, forward=[mib / 2], backward=[mib / 2, mib])] * 2),
+               dict(cp=4, dtype="float32", ranks=[dict(block=mib / 2, forward=[mib / 2] * 3, backward=[mib / 2] * 6),
+                                                  dict(block=mib / 2, forward=[mib / 2] * 3, backward=[mib / 2] * 7)])]
+    assert table_rows(context_parallel.traffic_table(traffic)) == [
+        "| 2 | bfloat16 | 0.500 | 1 | 0.500 | 2 | 1.500 | 3.00 |",
+        "| 4 | float32 | 0.500 | 3 | 1.500 | 7 | 3.500 | 2.33 |"]
+    precision = [dict(cp=1, transit="float32", ring=[0.0016, 0.0017, 0.0015], rounded=[0.0016, 0.0016, 0.0015]),
+                 dict(cp=4, transit="bfloat16", ring=[0.0016, 0.0023, 0.0021], rounded=[0.0016, 0.0016, 0.0015])]
+    text = context_parallel.precision_table(precision)
+    assert table_rows(text) == ["| 1 | not sent | 0.160% | 0.170% | 0.150% |",
+                                "| 4 | bfloat16 | 0.160% | 0.230% | 0.210% |"]
+    assert text.splitlines()[-1] == "the exact gradients rounded to bfloat16 once: dQ 0.160%, dK 0.160%, dV 0.150%"
+
+
 @pytest.mark.slow
 def test_context_parallel_counts_each_ranks_scores_and_the_memory_of_either_exchange(monkeypatch, capsys):
     """4 spawned workers, 512 tokens, 4 heads of 64. By construction: the ring's chunk pairs (the balanced split gives
     every rank 2cp+1 chunk pairs of (T/2cp)^2 scores, the contiguous one rank r r+1 pairs of (T/cp)^2), the all-gather's
     (T/cp) x T rectangle; the ring saves T/cp of q, k, v and output, whatever the split; the all-gather saves the whole
     K and V (1 MiB here) and holds them twice at once (gathered and reordered), where the ring holds a few blocks of
-    T/cp. Timing only loosely: the contiguous split's last rank, with 4x the first's scores, spends more CPU time."""
+    T/cp. Timing only loosely: the contiguous split's last rank, with 4x the first's scores, spends more CPU time.
+    The ring's sends, counted: cp - 1 blocks forward; backward cp - 1 blocks and cp - 1 of their gradients in float32.
+    Its gradients with bfloat16 inputs: those of keys and values no further off sent in float32 than in bfloat16."""
     text = run_benchmark(monkeypatch, capsys, "context_parallel.py", "--context", 512, "--rounds", 3)
     number = r"([\d.]+)"
     rows = {(exchange, split, int(cp)): dict(scores=scores, cpu=[float(ms) for ms in times.split(" / ")],
@@ -438,6 +460,29 @@ def test_context_parallel_counts_each_ranks_scores_and_the_memory_of_either_exch
     assert re.search(r"^balanced split at cp 4: the last rank computes 1\.00x the first's scores in [\d.]+x its CPU "
                      r"time; contiguous split at cp 4: the last rank computes 4\.00x the first's scores in [\d.]+x its "
                      r"CPU time$", text, re.M), text
+    # The ring's sends: a block is 2 x 4 heads x 512/cp x 64 numbers; forward sends cp - 1 of them, backward cp - 1
+    # again and cp - 1 of their gradients, in float32.
+    traffic = {(int(cp), dtype): tuple(map(float, rest)) for cp, dtype, *rest in re.findall(
+        r"^\| (\d) \| (float32|bfloat16) \| ([\d.]+) \| (\d+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$",
+        text, re.M)}
+    assert list(traffic) == [(cp, dtype) for cp in (2, 4) for dtype in ("float32", "bfloat16")], text
+    for (cp, dtype), (block, sends, forward, backward_sends, backward, ratio) in traffic.items():
+        size = {"float32": 4, "bfloat16": 2}[dtype]
+        assert block == pytest.approx(2 * 4 * 512 // cp * 64 * size / 2**20, abs=1e-3), text
+        assert (sends, backward_sends) == (cp - 1, 2 * (cp - 1)), text
+        assert forward == pytest.approx((cp - 1) * block, abs=2e-3), text
+        assert backward == pytest.approx((cp - 1) * block * (1 + 4 / size), abs=2e-3), text
+        assert ratio == pytest.approx(1 + 4 / size, abs=0.01), text
+    # The gradients: dQ never travels, so its error is the same whatever dK and dV travel in; sent in float32, dK and
+    # dV are no further off than sent in bfloat16 (seeded inputs: the same numbers on every run).
+    errors = {(int(cp), transit): [float(error) for error in rest] for cp, transit, *rest in re.findall(
+        r"^\| (\d) \| (not sent|float32|bfloat16) \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \|$", text, re.M)}
+    assert list(errors) == [(1, "not sent"), (2, "float32"), (2, "bfloat16"), (4, "float32"), (4, "bfloat16")], text
+    for cp in (2, 4):
+        assert errors[cp, "float32"][0] == errors[cp, "bfloat16"][0], text
+        assert all(f32 <= bf16 for f32, bf16 in zip(errors[cp, "float32"][1:], errors[cp, "bfloat16"][1:])), text
+    assert re.search(r"^the exact gradients rounded to bfloat16 once: dQ [\d.]+%, dK [\d.]+%, dV [\d.]+%$", text,
+                     re.M), text
 
 
 def test_overhead_times_the_trainer_and_the_bare_loop_in_this_process(monkeypatch, capsys):

@@ -97,8 +97,14 @@ class RingAttention(torch.autograd.Function):
     """In cp steps, each rank's block of keys and values visits every rank of the ring; a rank attends with its queries
     to the block it holds while the next block is on its way, and merges the partial results with an online softmax:
     per query its running maximum score m, the sum l of exp(score - m), and the output so far, rescaled by exp(m_old -
-    m_new) when a block brings a higher maximum. Backward passes the blocks around again, with the gradients of their
-    keys and values, which arrive home complete after cp steps. Computed in float32 whatever the autocast."""
+    m_new) when a block brings a higher maximum. Computed in float32 whatever the autocast.
+
+    Backward passes the blocks around again, and behind each block the gradients of its keys and values: a partial
+    sum that starts at the rank after the block's own, gains each rank's share as it goes, and reaches home after cp -
+    1 hops, where the owner adds its own share (cp - 1 sends of the blocks, cp - 1 of their gradients, in float32:
+    GRADIENTS_IN_TRANSIT). Every send is posted before the compute it overlaps and waited for after it: a block's
+    gradients travel while the next block's are computed, and the last ones, on their way home, while the rank computes
+    the rest of its own block, half of which it keeps for then."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, chunks_by_rank, n_chunks, dropout_p, seed):
@@ -134,10 +140,12 @@ class RingAttention(torch.autograd.Function):
             q32, grad_out = q.float(), grad_out.float()
             grad_q = torch.zeros_like(q32)
             delta = (grad_out * out).sum(-1)  # per query: sum over keys of p * dP, which softmax's backward needs
-            grads = torch.zeros((2, *k.shape), device=k.device)  # dK and dV of the block held
-            for held, key_values in ring.blocks(torch.stack([k, v])):
-                keys, values = key_values.float()
-                for a, qs, b, ks in ring.pairs(held):
+
+            def add_gradients(grads, keys, values, pairs):
+                """The gradients of the scores of `pairs` (this rank's query chunks with chunks of one block): added
+                to grad_q, and to `grads`, the block's dK and dV stacked."""
+                keys, values = keys.float(), values.float()
+                for a, qs, b, ks in pairs:
                     scores = ring.scores(q32[..., qs, :], keys[..., ks, :], a, b)
                     probabilities = torch.exp(scores - lse[..., qs, None])
                     grads[1][..., ks, :] += ring.dropped(probabilities, a, b).transpose(-2, -1) @ grad_out[..., qs, :]
@@ -145,10 +153,55 @@ class RingAttention(torch.autograd.Function):
                     grad_scores = probabilities * (grad_p - delta[..., qs, None]) * ring.scale
                     grad_q[..., qs, :] += grad_scores @ keys[..., ks, :]
                     grads[0][..., ks, :] += grad_scores.transpose(-2, -1) @ q32[..., qs, :]
-                del key_values, keys, values
-                # To the next rank, whose next block this is: after cp steps each block's gradients are home, whole.
-                grads = ring.pass_on(grads)
-        return grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None
+
+            # The one compute that needs nothing from the other ranks is this rank's own block: its first half runs
+            # while the first block arrives, the rest while the last gradients travel home.
+            own_pairs = list(ring.pairs(ring.rank))
+            half = len(own_pairs) // 2
+            own_grads = torch.zeros((2, *k.shape), device=k.device)
+            arriving = ring.post(torch.stack([k, v])) if ring.size > 1 else None
+            add_gradients(own_grads, k, v, own_pairs[:half])
+            # The gradients this rank sent last on their way, and those of the block it holds next on their way in.
+            partial = None
+            for step in range(1, ring.size):
+                held, key_values = (ring.rank - step) % ring.size, arriving.wait()
+                arriving = ring.post(key_values) if step < ring.size - 1 else None
+                grads = torch.zeros((2, *k.shape), device=k.device)
+                add_gradients(grads, *key_values, ring.pairs(held))
+                del key_values
+                # The shares of the ranks the block visited before this one: they arrived during the compute above.
+                if partial is not None:
+                    grads += partial.wait()
+                # To the next rank, which holds this block next; at the last step, the block's owner.
+                partial = ring.post(grads.to(GRADIENTS_IN_TRANSIT))
+                del grads
+            add_gradients(own_grads, k, v, own_pairs[half:])
+            if partial is not None:
+                own_grads += partial.wait()
+        return grad_q.to(q.dtype), own_grads[0].to(k.dtype), own_grads[1].to(v.dtype), None, None, None, None, None
+
+
+# The ring's backward sends the partial sums of the gradients of keys and values in float32, whatever the inputs'
+# dtype: in bfloat16 each of the cp - 1 hops would round the sum again, where one process rounds the gradient once
+# (docs/context-parallel.md quotes the measured loss, benchmarks/context_parallel.py measures it).
+GRADIENTS_IN_TRANSIT = torch.float32
+
+
+class Transfer:
+    """`tensor` on its way to the next rank of the ring while a tensor of its shape and dtype arrives from the previous
+    one. The tensor sent is held until wait(): its buffer must outlive the send."""
+
+    def __init__(self, ring, tensor):
+        self.sent, self.received = tensor.contiguous(), torch.empty_like(tensor)
+        self.requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, self.sent, ring.next, ring.group),
+                                                dist.P2POp(dist.irecv, self.received, ring.previous, ring.group)])
+
+    def wait(self):
+        """The tensor received, once both ops are done; the tensor sent is let go."""
+        for request in self.requests:
+            request.wait()
+        received, self.sent, self.received, self.requests = self.received, None, None, []
+        return received
 
 
 class Ring:
@@ -163,32 +216,19 @@ class Ring:
         self.n = q.shape[-2] // len(chunks_by_rank[self.rank])  # tokens per chunk
         self.scale = 1.0 / math.sqrt(q.shape[-1])
 
-    def _send_receive(self, tensor):
-        """Send `tensor` to the next rank and receive the previous rank's into a new buffer: (requests, buffer)."""
-        received = torch.empty_like(tensor)
-        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor.contiguous(), self.next, self.group),
-                                           dist.P2POp(dist.irecv, received, self.previous, self.group)])
-        return requests, received
-
-    def pass_on(self, tensor):
-        """`tensor` sent to the next rank; what the previous rank sent, returned."""
-        if self.size == 1:
-            return tensor
-        requests, received = self._send_receive(tensor)
-        for request in requests:
-            request.wait()
-        return received
+    def post(self, tensor):
+        """A Transfer: `tensor` sent to the next rank, the previous rank's received, both posted now."""
+        return Transfer(self, tensor)
 
     def blocks(self, key_values):
         """(the rank whose block it is, its stacked keys and values) for the cp blocks, this rank's own first. The next
         block is on its way while the caller computes with this one: the send overlaps the compute."""
         held = self.rank
         for step in range(self.size):
-            requests, received = self._send_receive(key_values) if step < self.size - 1 else ([], None)
+            arriving = self.post(key_values) if step < self.size - 1 else None
             yield held, key_values
-            while requests:  # each request dropped once done, and with it the block it sent
-                requests.pop().wait()
-            key_values, held = received, (held - 1) % self.size
+            # The block sent is let go once its send is done (the caller let go of it already).
+            key_values, held = arriving.wait() if arriving else None, (held - 1) % self.size
 
     def pairs(self, held):
         """(query chunk, its slice, key chunk, its slice) for every pair of a query chunk of this rank and a key chunk
