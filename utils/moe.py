@@ -6,11 +6,13 @@ every layer's experts, and the tokens travel to the ranks of their experts and b
     balance_loss(model)                     the load-balancing auxiliary loss of the last forward, summed over layers
     routing_stats(model)                    tokens per expert, aux loss, bytes moved, tokens dropped since the last call
     require_ep_fits(args, world_size)       one line when --ep or --top_k cannot split the job
+    within_capacity(chosen, E, capacity)    the assignments experts keep under a capacity: first choices first
 
-No token is dropped unless a capacity is set (capacity_factor > 0): then every expert takes at most
-ceil(capacity_factor x tokens x top_k / experts) of the tokens of each rank, in the order they come, as GShard does;
-the others pass the layer by the residual connection alone. Without a capacity, a layer computes the same on any
-placement of its experts, and expert parallelism computes what one process does.
+No token is dropped unless a capacity is set (capacity_factor > 0), and then only in training: every expert takes at
+most ceil(capacity_factor x tokens x top_k / experts) of the assignments of each rank's tokens, every token's first
+choice before any token's second, as GShard does; the others pass the layer by the residual connection alone.
+Evaluation and sampling drop nothing, so the held-out loss is the same on any layout. Without a capacity, a layer
+computes the same on any placement of its experts, and expert parallelism computes what one process does.
 """
 import math
 
@@ -59,12 +61,14 @@ class MoE(nn.Module):
         counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
         if self.training:  # the load the router asked for, before any drop: what the aux loss evens out
             self._record(probs, counts)
-        if self.capacity_factor > 0:  # keep each expert's first `capacity` assignments, drop the rest
-            capacity = math.ceil(self.capacity_factor * len(tokens) * self.top_k / self.n_experts)
-            starts = (counts.cumsum(0) - counts).repeat_interleave(counts)
-            kept = order[torch.arange(len(order), device=x.device) - starts < capacity]
-            self.stats["dropped"] += (len(order) - len(kept)) * self.training
-            order, counts = kept, counts.clamp(max=capacity)
+        # A capacity bounds the work of training only: evaluation and sampling drop nothing, so what they compute
+        # does not depend on how many tokens each rank holds. Each expert keeps `capacity` assignments, the first
+        # choices first (within_capacity); the others are dropped.
+        capacity = self.capacity(len(tokens)) if self.training else None
+        if capacity is not None:
+            kept = within_capacity(chosen, self.n_experts, capacity).flatten()
+            self.stats["dropped"] += len(order) - int(kept.sum())
+            order, counts = order[kept[order]], counts.clamp(max=capacity)
         routed = tokens[order // self.top_k]
         # The tokens travel in the precision the experts compute in: in bf16, half the bytes of fp32.
         if torch.is_autocast_enabled(x.device.type):
@@ -72,6 +76,14 @@ class MoE(nn.Module):
         outputs = self._dispatch(routed, counts)
         weighted = outputs * gates.flatten()[order, None]
         return weighted.new_zeros(B * T, C).index_add_(0, order // self.top_k, weighted).view(B, T, C)
+
+    def capacity(self, tokens):
+        """The most assignments an expert takes in a training forward from a rank's `tokens` tokens:
+        ceil(capacity_factor x tokens x top_k / experts). None when there is no capacity, or when it bounds nothing:
+        an expert gets at most one assignment from each token, so a capacity of `tokens` or more drops none (and a
+        factor so large that the product overflows to infinity bounds nothing either)."""
+        share = self.capacity_factor * tokens * self.top_k / self.n_experts
+        return None if self.capacity_factor == 0 or share >= tokens else math.ceil(share)
 
     def _dispatch(self, routed, counts):
         """The experts' outputs for `routed`, the tokens sorted by expert (`counts` per expert), in the same order."""
@@ -104,6 +116,25 @@ class MoE(nn.Module):
         self.stats["tokens"].append(load)
         self.stats["aux"].append(self.aux_loss.detach())
         self.stats["assignments"] += len(probs) * self.top_k
+
+
+def within_capacity(chosen, n_experts, capacity):
+    """Which assignments the experts keep when each takes at most `capacity`: `chosen` (tokens, k) holds each token's
+    experts in the order of its choice, the result (tokens, k) is True for those kept. GShard's priority: an expert
+    queues the first choices of all tokens, then their second choices, and so on; within one rank of choice, in token
+    order. So a token's first choice is dropped only when its expert is full of other tokens' first choices, never for
+    an earlier token's second choice."""
+    n_tokens, top_k = chosen.shape
+    # The queue, before it is sorted by expert: every token's first choice, then every token's second choice...
+    queued = chosen.t().flatten()
+    counts = torch.bincount(queued, minlength=n_experts)
+    by_expert = queued.argsort(stable=True)
+    # An assignment's place in its expert's queue: its position among the assignments sorted by expert, less those of
+    # the experts before.
+    starts = (counts.cumsum(0) - counts).repeat_interleave(counts)
+    place = torch.empty_like(queued)
+    place[by_expert] = torch.arange(len(queued), device=chosen.device) - starts
+    return (place < capacity).view(top_k, n_tokens).t()
 
 
 class AllToAll(torch.autograd.Function):
