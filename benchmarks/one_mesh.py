@@ -1,9 +1,10 @@
 """Step 11's trades, measured on the CPU-size GPT in one run: the interleaved schedule's bubble against 1F1B's, the
 memory activation checkpointing saves against the time it costs, and sequence parallelism's activations against step
-7's plan.
+7's plan; and, on its own, each rank's memory and traffic against the memory plan (tools/memory_plan.py).
 
     python benchmarks/one_mesh.py                         # M = 2 4 8, batch 128; AC and SP at batch 32
     python benchmarks/one_mesh.py --microbatches 4 8 --zero_bubble_fsdp --parts pipeline
+    python benchmarks/one_mesh.py --parts plan --chars 4600   # 8 processes; the tests' excerpt of the help pages
 
 1. The bubble. Two processes (one CPU thread each, gloo) form a pipeline of 2 ranks and train batches of --batch_size
 sequences of 64 characters, each step in M micro-batches, with five schedules:
@@ -60,6 +61,21 @@ parallel: each rank holds 1/tp of the positions outside the matrices) and by ten
 whole sequence on every rank between the matrices), one forward and backward of --ac_batch sequences:
   saved MiB     what autograd kept for backward on rank 0
   ms            the fastest forward and backward of --rounds x --steps
+4. The memory plan (--parts plan). Eight processes run one_mesh.py's Trainer (as in part 2) on four layouts
+(plan_layouts: the tests' pp 2 x dp 2 x tp 2; the same in bf16 with checkpointing and two rounds of micro-batches; FSDP
+alone over 8 ranks in bf16 with checkpointing; tp 4), two steps on one batch, the second measured: every allocation
+of the CPU allocator, named by what holds it (MemoryTimeline), and the collectives of a third step, weighed as in
+benchmarks/communication.py. For every rank, the most it held at once of each of the plan's columns, measured against
+the plan (KiB; the difference in bytes if any):
+  gathered      FSDP's unsharded weights and the gradients accumulated in them
+  peak_act      what autograd kept for backward (less the stages' inputs, which lie in pipeline buffers)
+  logits        the last stage's logits the schedule kept
+  pipeline      the stages' receive buffers and the tensors sent
+  held          all of the above with the shards, AdamW's state and the batch, at a moment between two passes
+  loss          the most the memory rose in the loss's backward (up to the logits' gradient)
+  total         everything the allocator held at any moment, temporaries inside a pass included
+  pp, dp, tp_bytes   sent a step over each mesh dimension (a ring's share of each collective, a send's whole)
+--plan_json writes the measured figures (tests/test_memory_plan.py compares them with the plan).
 """
 import argparse
 import contextlib
@@ -145,16 +161,17 @@ def plain_pipeline(schedule, M, micro_batch, text_path, mesh, dp=None):
     return step, [part for _, part in parts], workload
 
 
-def step11_trainer(mesh, M, batch_size, text_path, folder, checkpoint_activations=False):
+def step11_trainer(mesh, M, batch_size, text_path, folder, checkpoint_activations=False, precision="fp32"):
     """one_mesh.py's own Trainer on `mesh` (pp, dp, tp), as its main() builds it: the GPT on the meta device,
-    one_mesh.parallelize, memory for this rank's shards, GPT-2's initial weights drawn on them."""
+    one_mesh.parallelize, memory for this rank's shards, GPT-2's initial weights drawn on them; `precision` its
+    --precision (bf16: FSDP's mixed precision)."""
     import torch
 
     import one_mesh
     from utils import make_workload
 
     options = Namespace(pp=mesh["pp"].size(), tp=mesh["tp"].size(), microbatches=M, batch_size=batch_size,
-                        precision="fp32", grad_clip=1.0, checkpoint_activations=checkpoint_activations,
+                        precision=precision, grad_clip=1.0, checkpoint_activations=checkpoint_activations,
                         async_save=False, timeout=600, total_epochs=1000, peak_tflops=None)
     workload = make_workload("gpt-cpu", text=text_path, dropout=0, device="meta")
     model, stages = one_mesh.parallelize(workload.model, mesh, options)
@@ -382,6 +399,319 @@ def memory_worker(rank, args, text_path, result_path):
     exit_without_teardown()
 
 
+def plan_layouts():
+    """Part 4's layouts of 8 ranks (tools/memory_plan.Layout): the tests' mesh; two rounds of micro-batches in bf16
+    with checkpointing (both stages' gradients accumulating at once); FSDP alone, as the page's 8B verdict, in bf16
+    with checkpointing, 8 micro-batches of one sequence; tp 4, which cuts a vocabulary of 57 into 15, 15, 15 and 12."""
+    from tools.memory_plan import Layout
+
+    return {"pp 2 x dp 2 x tp 2": Layout(2, 2, 2, batch_size=4, microbatches=2),
+            "pp 2 x dp 2 x tp 2, M 4, bf16, AC": Layout(2, 2, 2, 8, 4, "bf16", checkpoint_activations=True),
+            "pp 1 x dp 8, M 8, bf16, AC": Layout(1, 8, 1, 8, 8, "bf16", checkpoint_activations=True),
+            "pp 1 x dp 2 x tp 4": Layout(1, 2, 4, batch_size=4, microbatches=2)}
+
+
+# What a rank holds, by what holds it (a storage seen in two of them counts in the first): FSDP's unsharded weights
+# and gradients, AdamW's state, the gradients' shards, the last stage's logits the schedule keeps, the pipeline's
+# receive buffers and sent tensors, what autograd keeps for backward. The rest is "temporary".
+CATEGORIES = ("gathered", "optim", "grads", "logits", "pipeline", "saved")
+
+
+class MemoryTimeline:
+    """Every byte one rank of one_mesh.Trainer allocates in its steps, by what holds it, over time. torch's profiler
+    (profile_memory=True) records each allocation and free of the CPU allocator with its address; at marks between the
+    schedule's passes (before and after each stage's forward, backward and gradient reduction, and when the logits'
+    gradient is made) the storages the step holds are named by what holds them: FSDP's state, the optimizer's, the
+    stages' buffers, caches and sent tensors, and autograd's saved tensors (a saved-tensor hook keeps a weak reference
+    to each). Replayed (replay()), each allocation takes the category it was seen in at a mark; one never
+    seen there is a temporary. torch has no allocator statistics on CPU; this is the CPU's equivalent of
+    torch.cuda.max_memory_allocated, split by holder.
+
+    The profiler sees the allocations and frees of the thread that runs the step: a buffer that gloo's thread frees
+    last (a collective's input, say) shows no free. Such an allocation, if no tensor holds its storage at the end of
+    the step (a scan of the garbage collector's tensors), is counted freed at the mark after it was made, and one
+    whose address is allocated again before that is freed then: an upper bound, for buffers a pass's collectives use."""
+
+    def __init__(self, trainer):
+        import weakref
+
+        self.trainer, self.marks, self.sent, self.saved = trainer, [], [], weakref.WeakValueDictionary()
+        self.profiler, self.patched, self.packed = None, [], 0
+
+    def __enter__(self):
+        import torch
+        from torch.distributed.pipelining import schedules
+        from torch.distributed.pipelining import stage as stage_module
+        from torch.profiler import ProfilerActivity, profile
+
+        def around(owner, name, labelled):
+            original = getattr(owner, name)
+
+            def wrapper(*args, **kwargs):
+                self.mark(f"before {labelled(*args)}")
+                result = original(*args, **kwargs)
+                self.mark(f"after {labelled(*args)}")
+                return result
+
+            self.patched.append((owner, name, original))
+            setattr(owner, name, wrapper)
+
+        for name in ("forward_one_chunk", "backward_one_chunk", "perform_reduce_grad"):
+            around(stage_module._PipelineStageBase, name,
+                   lambda stage, *args, name=name: f"{name} {stage.stage_index} {args[:1]}")
+
+        # The schedule's sends: it waits for them at the step's end only, and holds their tensors until then.
+        def noting_sends(ops, *args, original=schedules._batch_p2p, **kwargs):
+            self.sent.extend(op.tensor for op in ops if op.op in (torch.distributed.isend, torch.distributed.send))
+            return original(ops, *args, **kwargs)
+
+        self.patched.append((schedules, "_batch_p2p", schedules._batch_p2p))
+        schedules._batch_p2p = noting_sends
+
+        # The loss's backward ends when the logits' gradient is made: the window of its temporaries.
+        def marked_loss(output, target, original=self.trainer.pipeline._loss_fn):
+            output.register_hook(lambda gradient: self.mark("logits' gradient"))
+            return original(output, target)
+
+        self.patched.append((self.trainer.pipeline, "_loss_fn", self.trainer.pipeline._loss_fn))
+        self.trainer.pipeline._loss_fn = marked_loss
+        self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with kineto_quiet():
+            self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *error):
+        import torch
+
+        with kineto_quiet():
+            self.profiler.__exit__(*error)
+        for owner, name, original in reversed(self.patched):
+            setattr(owner, name, original)
+        self.events = []
+
+        def walk(nodes):
+            for node in nodes:
+                if node.typed[0] == torch._C._profiler._EventType.Allocation and node.typed[1].device.type == "cpu":
+                    self.events.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].ptr, None))
+                elif node.name.startswith("mark "):
+                    self.events.append((node.start_time_ns, 0, None, int(node.name.split()[1])))
+                walk(node.children)
+
+        walk(self.profiler.profiler.kineto_results.experimental_event_tree())
+        self.events.sort(key=lambda event: event[0])
+
+    def step(self, source, targets):
+        """One step of the Trainer, from a mark "start" to a mark "end" (with the scan for buffers freed elsewhere)."""
+        import torch
+
+        self.mark("start")
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self.trainer._run_batch(source, targets, hooks)
+        # The schedule waited for its sends at the step's end.
+        self.sent.clear()
+        self.mark("end", scan=True)
+
+    def _pack(self, tensor):
+        import torch
+
+        # A weight, or a view of one, is not an activation (as utils.memory.saved_for_backward).
+        if not isinstance(tensor if tensor._base is None else tensor._base, torch.nn.Parameter):
+            self.packed += 1
+            self.saved[self.packed] = tensor
+        return tensor
+
+    def mark(self, label, scan=False):
+        """Name the storages the step holds now, and put a mark for them in the profiler's record."""
+        import gc
+
+        import torch
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.utils._pytree import tree_leaves
+
+        seen = {}
+
+        def note(tensors, category):
+            for tensor in (t for t in tree_leaves(tensors) if isinstance(t, torch.Tensor)):
+                address, size = storage_of(tensor)
+                if size and CATEGORIES.index(seen.get(address, category)) >= CATEGORIES.index(category):
+                    seen[address] = category
+
+        for stage in self.trainer.stages:
+            for module in stage.submod.modules():
+                group = fully_shard.state(module)._fsdp_param_group if isinstance(module, FSDPModule) else None
+                for param in group.fsdp_params if group else []:
+                    unsharded = getattr(param, "_unsharded_param", None)
+                    note([unsharded, getattr(unsharded, "grad", None),
+                          getattr(param, "unsharded_accumulated_grad", None)], "gathered")
+            infos = [*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()]
+            note([info.buffer for recv in infos for info in recv if hasattr(info, "buffer")], "pipeline")
+            outputs = [output for output, _ in stage.fwd_cache.values()]
+            note([outputs, stage.output_chunks], "logits" if stage.is_last else "pipeline")
+            note(list(stage.bwd_cache.values()), "pipeline")
+        note([p.grad for p in self.trainer.model.parameters()], "grads")
+        note(list(self.trainer.optimizer.state.values()), "optim")
+        note(self.sent, "pipeline")
+        note(list(self.saved.values()), "saved")
+        alive = None
+        if scan:
+            alive = set()
+            for thing in gc.get_objects():
+                if issubclass(type(thing), torch.Tensor):
+                    # A tensor without a storage of its own (sparse, or a wrapper of others) has nothing to add.
+                    try:
+                        address, size = storage_of(thing)
+                    except Exception:
+                        continue
+                    if size:
+                        alive.add(address)
+        with torch.profiler.record_function(f"mark {len(self.marks)}"):
+            self.marks.append(dict(label=label, seen=seen, alive=alive))
+
+    def figures(self, step, batch_bytes, params_bytes):
+        """Step `step`'s (0: the first) peaks, in bytes: each category's; `held`, all categories together at a mark
+        between passes, at most; `total`, everything at any moment; `loss`, the most the memory rose from the start of
+        the last stage's backward until the logits' gradient was made. The step's ids and targets (batch_bytes) and
+        the parameters' shards (params_bytes), there before the profiler started, are added to held and total."""
+        timeline = replay(self.events, self.marks)
+        starts = [i for i, (label, _) in enumerate(timeline) if label == "start"]
+        ends = [i for i, (label, _) in enumerate(timeline) if label == "end"]
+        window = timeline[starts[step]:ends[step] + 1]
+        everything = [sum(sums.values()) for _, sums in window]
+        result = {category: max(sums[category] for _, sums in window) for category in CATEGORIES}
+        result["held"] = (max(sum(sums[c] for c in CATEGORIES) for label, sums in window if label) + batch_bytes
+                          + params_bytes)
+        result["total"] = max(everything) + batch_bytes + params_bytes
+        result["loss"], backward = 0, None
+        for i, (label, _) in enumerate(window):
+            if label and label.startswith("before backward"):
+                backward = i
+            if label == "logits' gradient":
+                result["loss"] = max(result["loss"], max(everything[backward:i + 1]) - everything[backward])
+        return result
+
+
+@contextlib.contextmanager
+def kineto_quiet():
+    """The process's stderr (file descriptor 2) to /dev/null while the profiler starts or stops: its C++ library
+    writes a line each time on CPU-only machines (a start, a stop, no GPU found), eight processes' worth per layout."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def storage_of(tensor):
+    """(address, bytes) of the storage behind `tensor` on this rank: a DTensor's local part, an all-gather's result
+    once it arrived; (None, 0) for a tensor without memory."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = local.wait() if hasattr(local, "wait") else local
+    if local.device.type == "meta":
+        return None, 0
+    storage = local.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def replay(events, marks):
+    """[(a mark's label or None, {category: bytes held})] after each of MemoryTimeline's events (time, bytes allocated
+    (negative: freed), address, mark index): an allocation takes the first category (CATEGORIES' order) it was seen in
+    at a mark while it lived, else "temporary"; one whose free the profiler did not see (another thread freed it) ends
+    when its address is allocated again or, if nothing holds its storage at the next scan, at the first mark after it
+    was made."""
+    live, allocations, mark_positions = {}, [], []
+    # The first pass gives each allocation its category and its end.
+    for position, (_, size, address, mark) in enumerate(events):
+        if mark is not None:
+            mark_positions.append(position)
+            for seen_address, category in marks[mark]["seen"].items():
+                allocation = allocations[live[seen_address]] if seen_address in live else None
+                if allocation and (allocation["category"] is None
+                                   or CATEGORIES.index(category) < CATEGORIES.index(allocation["category"])):
+                    allocation["category"] = category
+            if marks[mark]["alive"] is not None:
+                for gone in [address for address in live if address not in marks[mark]["alive"]]:
+                    allocation = allocations[live.pop(gone)]
+                    allocation["end"] = next(p for p in mark_positions if p > allocation["start"])
+        elif size > 0:
+            if address in live:
+                allocations[live[address]]["end"] = position
+            live[address] = len(allocations)
+            allocations.append(dict(size=size, start=position, end=None, category=None))
+        elif address in live:
+            allocations[live.pop(address)]["end"] = position
+    # The second pass adds them up, event by event.
+    starting, ending = {}, {}
+    for allocation in allocations:
+        starting[allocation["start"]] = allocation
+        if allocation["end"] is not None:
+            ending.setdefault(allocation["end"], []).append(allocation)
+    sums, timeline = {category: 0 for category in (*CATEGORIES, "temporary")}, []
+    for position, (_, _, _, mark) in enumerate(events):
+        for allocation in ending.get(position, []):
+            sums[allocation["category"] or "temporary"] -= allocation["size"]
+        if position in starting:
+            sums[starting[position]["category"] or "temporary"] += starting[position]["size"]
+        timeline.append((None if mark is None else marks[mark]["label"], dict(sums)))
+    return timeline
+
+
+def plan_worker(rank, args, text_path, result_path):
+    """Part 4 on 8 ranks: for each layout of plan_layouts(), one_mesh.py's Trainer as its main() builds it, two
+    steps on one batch measured by MemoryTimeline (the second one's figures: the first allocates the schedule's
+    buffers and AdamW's state), then a third step's collectives counted (benchmarks/communication.py's counter)."""
+    import contextlib
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmarks.communication import counting_mode, sent_per_rank
+    from utils.memory import state_bytes
+
+    torch.set_num_threads(1)
+    quiet_dtensor()
+    # Under CommDebugMode's module tracker FSDP warns that a layer returns a view, as in benchmarks/communication.py.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=8, timeout=timedelta(seconds=args.timeout))
+    measured = {}
+    for name, layout in plan_layouts().items():
+        mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+        trainer = step11_trainer(mesh, layout.microbatches, layout.batch_size, text_path, Path(result_path).parent,
+                                 layout.checkpoint_activations, layout.precision)
+        source, targets = next(iter(trainer.train_data))
+        with MemoryTimeline(trainer) as timeline:
+            for _ in range(2):
+                timeline.step(source, targets)
+        figures = timeline.figures(1, source.nbytes + targets.nbytes,
+                                   state_bytes(trainer.model, trainer.optimizer)["params"])
+        # Every process group this rank is in, named after the mesh dimension of the same ranks (the groups a mesh
+        # dimension's DTensors use need not be the ones mesh[dim] hands out later; the default group is dp's when dp
+        # spans all ranks): torch keeps no public list of them.
+        ranks_of = {dim: dist.get_process_group_ranks(mesh[dim].get_group()) for dim in ("pp", "dp", "tp")}
+        groups = {name: (dim, len(ranks)) for group, name in dist.distributed_c10d._world.pg_names.items()
+                  for dim, ranks in reversed(ranks_of.items()) if dist.get_process_group_ranks(group) == ranks}
+        with counting_mode(groups) as counting:
+            trainer._run_batch(source, targets, contextlib.nullcontext())
+        for dim in ("pp", "dp", "tp"):
+            figures[f"{dim}_bytes"] = round(sum(sent_per_rank(c) for c in counting.collectives if c["group"] == dim))
+        measured[name] = dict(figures, **trainer.held)
+        # The layout's tensors are freed before the next layout is measured.
+        del trainer, timeline
+        gc.collect()
+    everyone = [None] * 8
+    dist.all_gather_object(everyone, measured)
+    if rank == 0:
+        Path(result_path).write_text(json.dumps({name: [mine[name] for mine in everyone] for name in measured}))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_without_teardown()
+
+
 def by_window(records, windows):
     """{n: the passes of measured step n}: `windows` holds, per step, each rank's (start, end) of it."""
     return {n: sorted((record for record in records if ranks[record["rank"]][0] <= record["began"]
@@ -465,6 +795,46 @@ def report_memory(result):
           "time")
 
 
+def report_plan(result, text_path):
+    """Part 4: each rank's measured figures, layout by layout, against tools/memory_plan.py's plan of the layout."""
+    from tools.memory_plan import config_of, plan
+
+    config = config_of("cpu", text_path)
+    columns = "gathered peak_act logits pipeline held loss total pp_bytes dp_bytes tp_bytes".split()
+    measured_as = dict(peak_act="saved")
+    differences = {column: [] for column in columns}
+    print("\n4. The memory plan, measured: one_mesh.py's Trainer on 8 ranks, its second step (KiB per rank, the most "
+          "at once; a difference from tools/memory_plan.py's figure in bytes after it, if any)")
+    for name, ranks in result.items():
+        layout = plan_layouts()[name]
+        print(f"\n{name}, {layout.batch_size} sequences per dp rank\n\n| rank | " + " | ".join(columns) + " |\n|"
+              + "---:|" * (len(columns) + 1))
+        for row, figures in zip(plan(config, layout, device="cpu"), ranks):
+            cells = []
+            for column in columns:
+                measured, planned = figures[measured_as.get(column, column)], row[column]
+                differences[column].append((measured - planned, row, figures))
+                cells.append(f"{measured / 1024:.2f}" + (f" ({measured - planned:+d})" if measured != planned else ""))
+            print(f"| {row['rank']} | " + " | ".join(cells) + " |")
+    ranks = len(differences["held"])
+    print(f"\nover the {ranks} ranks of the {len(result)} layouts, measured - planned:")
+    for column in ("gathered", "peak_act", "logits", "pipeline", "held"):
+        spread = [difference for difference, _, _ in differences[column]]
+        print(f"  {column}: {min(spread):+d} to {max(spread):+d} bytes")
+    # The loss's temporaries: a few numbers a position beside the logits' slices; per position, of the ranks that hold
+    # the head.
+    layouts = [plan_layouts()[name] for name in result for _ in result[name]]
+    per_position = [difference / (layout.batch_size // layout.microbatches * config.context)
+                    for (difference, row, _), layout in zip(differences["loss"], layouts) if "head" in row["layers"]]
+    print(f"  loss: {min(per_position):+.1f} to {max(per_position):+.1f} bytes a position")
+    shares = [difference / row["pass_temporaries"] for difference, row, _ in differences["total"]]
+    print(f"  total: {min(shares):.2f} to {max(shares):.2f} of the temporaries a pass may hold beyond the plan (a "
+          "block's activations and the rank's largest layer gathered)")
+    for column in ("pp_bytes", "dp_bytes", "tp_bytes"):
+        spread = [difference for difference, _, _ in differences[column]]
+        print(f"  {column}: {min(spread):+d} to {max(spread):+d} bytes")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--microbatches", type=positive_int, nargs="+", default=[2, 4, 8],
@@ -480,8 +850,10 @@ def main():
     parser.add_argument("--rounds", type=positive_int, default=2, help="measured rounds (default 2)")
     parser.add_argument("--chars", type=positive_int, default=30000,
                         help="characters of Python's help pages to train on (default 30000)")
-    parser.add_argument("--parts", nargs="+", choices=["pipeline", "memory"], default=["pipeline", "memory"],
-                        help="part 1 (pipeline), parts 2 and 3 (memory), or both (the default)")
+    parser.add_argument("--parts", nargs="+", choices=["pipeline", "memory", "plan"], default=["pipeline", "memory"],
+                        help="part 1 (pipeline), parts 2 and 3 (memory), part 4 (plan: 8 processes); default: "
+                             "pipeline memory")
+    parser.add_argument("--plan_json", type=Path, help="also write part 4's measured figures to this file")
     parser.add_argument("--zero_bubble_fsdp", action="store_true",
                         help=f"also check the zero-bubble schedules' gradients under FSDP ({PP * DP} processes)")
     parser.add_argument("--timeout", type=positive_int, default=600, help="seconds each job may take")
@@ -494,9 +866,11 @@ def main():
     from utils import make_workload
     from utils.gpt import help_pages
 
-    print(f"The CPU-size GPT, gloo, one CPU thread per process; batches of {args.batch_size} (pipeline) and "
-          f"{args.ac_batch} (memory) sequences of 64 characters, {args.steps} steps x {args.rounds} rounds per "
-          f"configuration, on {machine_summary()}", flush=True)
+    timed = {"pipeline", "memory"} & set(args.parts)
+    print("The CPU-size GPT, gloo, one CPU thread per process; " + (
+        f"batches of {args.batch_size} (pipeline) and {args.ac_batch} (memory) sequences of 64 characters, "
+        f"{args.steps} steps x {args.rounds} rounds per configuration, " if timed else "")
+        + f"the first {args.chars} characters of the help pages; on {machine_summary()}", flush=True)
     # The steps' per-rank metrics files are not wanted here, and the GPT trains without dropout whatever is set.
     for variable in ("TUTORIAL_RUN_DIR", "TUTORIAL_GPT_DROPOUT"):
         os.environ.pop(variable, None)
@@ -505,7 +879,7 @@ def main():
         text_path = Path(scratch) / "help_pages.txt"
         text_path.write_text(help_pages()[:args.chars])
         sequences = len(make_workload("gpt-cpu", text=str(text_path)).train_set)
-        if max(args.batch_size, args.ac_batch) * args.steps > sequences:
+        if timed and max(args.batch_size, args.ac_batch) * args.steps > sequences:
             sys.exit(f"error: --chars {args.chars} make {sequences} training sequences: fewer than --steps batches")
         if "pipeline" in args.parts:
             result, records = pipeline_bubble.recorded(pipeline_worker, (args, str(text_path)), PP, args.timeout,
@@ -524,6 +898,14 @@ def main():
                               CUDA_VISIBLE_DEVICES="")
             report_memory(spawned_result(memory_worker, (args, str(text_path)), TP, args.timeout,
                                          "the memory part of the one-mesh benchmark"))
+        if "plan" in args.parts:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+                              CUDA_VISIBLE_DEVICES="")
+            measured = spawned_result(plan_worker, (args, str(text_path)), 8, args.timeout,
+                                      "the memory plan part of the one-mesh benchmark")
+            if args.plan_json:
+                args.plan_json.write_text(json.dumps(measured))
+            report_plan(measured, str(text_path))
     print(f"\n{time.perf_counter() - began:.0f} s; at the end: {machine_summary()}")
 
 
