@@ -17,6 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
+from utils import require_written_by
 from utils import require_same_arguments, require_same_start
 
 
@@ -54,6 +55,7 @@ class Trainer:
             snapshot = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)  # no pickled code
             self.model.load_state_dict(snapshot["MODEL_STATE"])
             self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
+            require_written_by("multinode.py", self.snapshot_path, snapshot)
             epochs_run = snapshot["EPOCHS_RUN"]
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
         return epochs_run
@@ -84,7 +86,7 @@ class Trainer:
     def _save_snapshot(self, epoch):
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
         snapshot = dict(MODEL_STATE=self.model.module.state_dict(), OPTIMIZER_STATE=self.optimizer.state_dict(),
-                        EPOCHS_RUN=epoch + 1)
+                        EPOCHS_RUN=epoch + 1, STEP="multinode.py")
         # Written to a file of its own, then renamed over the last one: a crash never leaves half a file.
         with replacing(self.snapshot_path) as tmp:
             torch.save(snapshot, tmp)

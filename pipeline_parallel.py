@@ -21,8 +21,9 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
+from utils import require_written_by
 from utils import require_same_arguments, require_same_start
-from utils import exists_on_any_rank, mesh_with_timeout, require_written_by
+from utils import exists_on_any_rank, mesh_with_timeout
 from utils.pipeline import reassembled, require_a_batch, require_pipeline_fits, stage_io
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu, rng_state, set_rng_state
 

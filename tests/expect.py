@@ -3,6 +3,7 @@ snapshots of steps 5, 7, 8, 10 and 11 read back whole, each epoch's loss over ev
 largest difference between two sets of weights, and a step's checks before its process group, run in the test's
 process; and the excerpt of the help pages that the GPT steps' exact jobs learn."""
 import json
+import re
 import runpy
 import sys
 import tempfile
@@ -65,6 +66,35 @@ def assert_bitwise_equal(actual, expected, where="snapshot"):
             assert_bitwise_equal(item, expected_item, f"{where}[{index}]")
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+# What the workers print that is not the steps' own and not torchrun's log records: a line prefixed with its rank by
+# torch (a traceback, a library's log record), a traceback, a library's warning, a C++ frame. None of it is a line a
+# learner can act on.
+LIBRARY_NOISE = re.compile(r"^\[rank\d+\]:|^Traceback \(|Warning: |^frame #|^terminate called", re.M)
+# The one line a rank stops with when a peer vanishes mid-collective (utils.launch.known_cause), or when a collective
+# gave up waiting for one.
+PEER_GONE = re.compile(r"^error: rank \d+: (?:a peer is gone \(Connection (?:closed|reset) by peer, at [\d.]+\), so this "
+                       r"rank stops too: torchrun restarts every worker from the last snapshot if --max_restarts "
+                       r"allows, else the same command resumes from it|a collective gave up after --timeout \d+ s .*)$")
+
+
+def assert_only_own_lines(job):
+    """The job's workers printed their own lines and nothing of torch's: no traceback, no library warning or log
+    record (torchrun's own log records, `W1125 ...`, are the launcher's, and allowed)."""
+    noise = LIBRARY_NOISE.findall(job.output)
+    assert not noise, f"{len(noise)} lines of library noise; the output ends:\n{job.output[-3000:]}"
+
+
+def assert_a_peer_gone_is_one_line_a_rank(job):
+    """A job whose worker was killed (SIGKILL) and restarted: each rank that noticed its peer gone before torchrun
+    stopped it said so in one line (torchrun may stop a rank first: then it says nothing), and nothing else of the
+    workers was printed."""
+    assert_only_own_lines(job)
+    errors = output.errors(job.output)
+    assert all(PEER_GONE.match(line) for line in errors), errors
+    ranks = [re.match(r"error: rank (\d+)", line)[1] for line in errors]
+    assert len(ranks) == len(set(ranks)), f"a rank said it twice: {errors}"
 
 
 def rank_records(job):

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from expect import stopped_as_rank_0
 from tools.jobs import python, run, script
 from tools.stepdiff import steps
 
@@ -128,3 +129,32 @@ def test_on_a_gpu_machine_world_size_above_the_gpu_count_is_refused(tmp_path):
     too_many = torch.cuda.device_count() + 1
     job = run(python("multigpu.py", "1", "1", "--world_size", too_many), cwd=tmp_path, check=False, gpu=True)
     assert_one_clear_error(job, "--world_size")
+
+
+# The steps that train the GPT on a text (--text), with the world size their default layout needs.
+GPT_STEPS = {"gpt.py": 2, "pipeline_parallel.py": 2, "context_parallel.py": 2, "expert_parallel.py": 2,
+             "one_mesh.py": 4}
+
+
+@pytest.mark.parametrize("step", GPT_STEPS)
+def test_a_text_the_gpt_cannot_read_stops_every_gpt_step_before_the_process_group(tmp_path, monkeypatch, step):
+    """A binary file given as --text: one line, from the checks that come before init_process_group (this test's
+    process never reaches it). Read after the group had formed, the text stopped the step with the right line, and
+    then, at times, with gloo's abort in Python's teardown ("terminate called without an active exception")."""
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\x00\xff\xfe binary" * 100)
+    stop = stopped_as_rank_0(monkeypatch, step, GPT_STEPS[step], "--text", binary)
+    assert str(stop) == (f"error: --text {binary} is not UTF-8 text (byte 1: invalid start byte); save it as UTF-8 or "
+                         "leave it out to train on Python's help pages")
+
+
+def test_a_context_longer_than_the_help_pages_can_hold_stops_with_one_line_before_the_process_group(monkeypatch):
+    """Step 9's --context of 48,000 tokens on the default text (the help pages): its held-out tenth holds no block of
+    that length. The text of a --text file was checked; the help pages were not, and every rank crashed in the GPT's
+    data (`RuntimeError: maximum size for tensor at dimension 0 is ...`) after the process group had formed."""
+    from utils.gpt import help_pages
+
+    stop = stopped_as_rank_0(monkeypatch, "context_parallel.py", 2, "--context", 48000)
+    assert str(stop) == (f"error: Python's help pages have {len(help_pages()):,} characters, and a context of 48,000 "
+                         "tokens needs at least 1,920,040 (its held-out tenth must hold 4 blocks of it): lower "
+                         "--context, or give a longer --text")

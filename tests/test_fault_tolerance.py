@@ -180,3 +180,112 @@ def test_a_job_that_finds_an_unusable_snapshot_stops_with_one_line_and_leaves_it
     assert f'File "{script("multigpu_torchrun.py")}", line' not in job.output  # no traceback through the script
     assert not job.losses, "it trained anyway"
     assert path.read_bytes() == before
+
+
+# The steps that save their snapshot in one file, and the workload each trains by default here.
+SINGLE_FILE_STEPS = {"multigpu_torchrun.py": "synthetic", "multinode.py": "synthetic", "gpt.py": "gpt-cpu",
+                     "context_parallel.py": "gpt-cpu"}
+
+
+def loading_trainer(step, path, text):
+    """`step`'s Trainer, in this process, with what its _load_snapshot uses (no __init__: it needs a process group),
+    on the step's workload (the GPT's on the help pages' excerpt); its snapshot at `path`."""
+    import argparse
+    import importlib
+
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from utils.loop import WarmupCosine
+
+    module = importlib.import_module(step.removesuffix(".py"))
+    name = SINGLE_FILE_STEPS[step]
+    workload = make_workload(name, **({"text": str(text)} if "gpt" in name else {}))
+    trainer = module.Trainer.__new__(module.Trainer)
+    trainer.model, trainer.optimizer, trainer.device = workload.model, workload.optimizer, torch.device("cpu")
+    trainer.snapshot_path, trainer.tag, trainer.rank, trainer.global_rank = str(path), "[rank 0/1 | cpu]", 0, 0
+    trainer.schedule = WarmupCosine(10)
+    trainer.scheduler = LambdaLR(workload.optimizer, trainer.schedule)
+    trainer.scaler = torch.amp.GradScaler("cpu", enabled=False)
+    trainer.args, trainer.steps_per_epoch = argparse.Namespace(total_epochs=3), 1
+    return trainer
+
+
+def written_by(step, trainer):
+    """The snapshot `step` saves after one epoch (its keys, as its _save_snapshot writes them), of `trainer`'s state."""
+    from utils.loop import rng_state
+
+    snapshot = dict(MODEL_STATE=trainer.model.state_dict(), OPTIMIZER_STATE=trainer.optimizer.state_dict(),
+                    EPOCHS_RUN=1, STEP=step)
+    if "gpt" in SINGLE_FILE_STEPS[step]:
+        snapshot.update(SCHEDULER_STATE=trainer.scheduler.state_dict(), SCALER_STATE=trainer.scaler.state_dict(),
+                        RNG_STATES=[rng_state()])
+    return snapshot
+
+
+# Every pair of steps whose snapshots hold the same model: the one that reads, and the one that wrote.
+SAME_MODEL = [(reader, writer) for reader, model in SINGLE_FILE_STEPS.items() for writer, theirs in
+              SINGLE_FILE_STEPS.items() if model == theirs]
+
+
+@pytest.mark.parametrize("reader, writer", SAME_MODEL)
+def test_a_single_file_snapshot_resumes_in_the_step_that_wrote_it_and_no_other(tmp_path, monkeypatch, text, reader,
+                                                                               writer):
+    """Each step's snapshot names the step; a step that finds another's of the same model (step 3's and step 4's,
+    step 6's and step 9's, which load into each other without a complaint; another model's is refused by its keys,
+    above) stops with one line that says whose it is, leaving it as it was. Step 9 used to resume step 6's file as its
+    own, and overwrite it at its next save."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    path = tmp_path / "snapshot.pt"
+    torch.save(written_by(writer, loading_trainer(writer, path, text)), path)
+    before = path.read_bytes()
+    trainer = loading_trainer(reader, path, text)
+    if reader == writer:
+        assert trainer._load_snapshot() == 1
+        return
+    with pytest.raises(SystemExit) as stop:
+        trainer._load_snapshot()
+    assert str(stop.value) == (f"error: {path} holds {writer}'s snapshot after 1 epoch, not {reader}'s: give this run "
+                               f"its own --snapshot_path, or move {path} away to start anew; it is left in place")
+    assert path.read_bytes() == before
+
+
+def write_empty_folder(path):
+    path.mkdir()
+
+
+def write_garbled_metadata(path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"MODEL_STATE": {"w": torch.zeros(2)}, "STEP": "expert_parallel.py"}, checkpoint_id=path)
+    (path / ".metadata").write_bytes(b"\x00garbage\xff" * 8)
+
+
+def write_step_9s_file(path):
+    torch.save(dict(MODEL_STATE={}, EPOCHS_RUN=1, STEP="context_parallel.py"), path)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP notes that it runs in one process
+@pytest.mark.parametrize("write, said", [
+    (write_empty_folder, "the folder holds no .metadata, the file a sharded save writes last: it is not a snapshot, "
+                         "or its save was cut short"),
+    (write_garbled_metadata, "its .metadata is not a sharded snapshot's (UnpicklingError: invalid load key, '\\x00'.)"),
+    (write_step_9s_file, "it is a file, not the folder of a sharded snapshot (context_parallel.py's snapshot)"),
+], ids=["empty folder", "garbled .metadata", "step 9's file"])
+def test_an_unreadable_sharded_snapshot_stops_with_one_line_that_says_what_is_wrong_and_nothing_else(tmp_path, capfd,
+                                                                                                    write, said):
+    """What a sharded step (5, 7, 8, 10, 11) meets first when it finds its --snapshot_path: the check of the folder
+    before DCP reads it, in this process. DCP itself met these with a traceback per rank and attempt ("Global metadata
+    is not found..."), then `AssertionError: metadata is None`; now one line says in words what is wrong, DCP prints
+    nothing, and the files stay as they were."""
+    from utils import require_written_by, stop_if_unloadable
+
+    path = tmp_path / "ep_snapshot"
+    write(path)
+    before = sorted((file.name, file.read_bytes()) for file in ([path] if path.is_file() else path.iterdir()))
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as stop, stop_if_unloadable(str(path)):
+        require_written_by("expert_parallel.py", str(path))
+    assert str(stop.value) == (f"error: cannot resume from {path} ({said}); it is left in place: move it away to start "
+                               "anew")
+    assert capfd.readouterr() == ("", "")
+    assert sorted((file.name, file.read_bytes()) for file in ([path] if path.is_file() else path.iterdir())) == before

@@ -45,7 +45,7 @@ def snapshot_of(epochs_run):
     workload.loss_fn(workload.model(source), targets).backward()
     workload.optimizer.step()
     return dict(MODEL_STATE=workload.model.state_dict(), OPTIMIZER_STATE=workload.optimizer.state_dict(),
-                EPOCHS_RUN=epochs_run)
+                EPOCHS_RUN=epochs_run, STEP="multigpu_torchrun.py")
 
 
 @contextmanager
@@ -417,3 +417,23 @@ def test_ctrl_c_to_torchrun_stops_every_worker_with_one_line_undoes_the_save_und
     assert not [line for line in report if "[rank" in line or "multigpu_torchrun.py" in line], job.output[before:]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["node0.log", "snapshot.pt"], "the temporary is removed"
     assert torch.load(tmp_path / "snapshot.pt", weights_only=True)["EPOCHS_RUN"] == 1  # epoch 0's, whole
+
+
+def test_what_saves_cut_short_left_is_removed_when_a_job_starts_and_nothing_else(tmp_path):
+    """A kill or a crash in the middle of a save leaves its temporary (a file named by the writer's pid, a sharded
+    save's folder named by the run and the epoch); no handler of the process can remove it, and each such run left one
+    more. The next start of a job on the same --snapshot_path removes them (writable_path, every step's argument type);
+    the last snapshot and every other file stay."""
+    (tmp_path / "mesh_snapshot").mkdir()
+    (tmp_path / "mesh_snapshot" / ".metadata").write_bytes(b"the last whole snapshot")
+    for leftover in ("mesh_snapshot.3f2a.4.tmp", "mesh_snapshot.91bc.7.tmp"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "__0_0.distcp").write_bytes(b"half a shard")
+    (tmp_path / "snapshot.pt.1234.tmp").write_bytes(b"half a file")
+    others = ["mesh_snapshot.notes", "mesh_snapshot_tmp", "snapshot.pt", "other.1.tmp"]
+    for name in others:
+        (tmp_path / name).write_bytes(b"kept")
+    writable_path(str(tmp_path / "mesh_snapshot"))
+    writable_path(str(tmp_path / "snapshot.pt"))
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["mesh_snapshot", *others])
+    assert (tmp_path / "mesh_snapshot" / ".metadata").read_bytes() == b"the last whole snapshot"

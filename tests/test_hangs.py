@@ -109,4 +109,30 @@ def test_a_timeout_is_told_in_one_line_wherever_it_was_raised_from_and_other_err
     expected = ("error: rank 3: a collective gave up after --timeout 5 s (Timed out waiting 5000ms for recv operation "
                 "to complete): a rank is stuck or gone; the last snapshot is kept, and the same command resumes from it")
     assert known_cause(timeout, 5) == known_cause(outer, 5) == expected
-    assert known_cause(RuntimeError("Connection closed by peer"), 5) is None and known_cause(ValueError("x"), 5) is None
+    assert known_cause(ValueError("Timed out waiting 5000ms"), 5) is None and known_cause(ValueError("x"), 5) is None
+
+
+@pytest.mark.parametrize("message, said", [
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [10.0.0.2]:9602. This is "
+     "typically caused by a remote worker crashing.", "Connection closed by peer, at 10.0.0.2"),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:62635: Connection reset by peer. "
+     "This is typically caused by a remote worker hanging", "Connection reset by peer, at 127.0.0.1"),
+    ("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error, NCCL version "
+     "2.21.5", "remote process exited"),
+], ids=["gloo, closed", "gloo, reset", "nccl"])
+def test_a_peer_gone_in_the_middle_of_a_collective_is_told_in_one_line_wherever_it_was_raised_from(monkeypatch, message,
+                                                                                                  said):
+    """A peer killed, crashed or cut off while the others wait for it in a collective: gloo's and NCCL's words for it,
+    raised as they are (DDP's backward, a collective) or as the cause of another error (pipelining's, autograd's).
+    The one line says what happened and what comes next; the jobs that kill a worker (steps 9, 10 and 11) show it."""
+    monkeypatch.setenv("RANK", "1")
+    try:
+        try:
+            raise RuntimeError(message)
+        except RuntimeError as error:
+            raise RuntimeError("\nFailed to run stage backward:\n...") from error
+    except RuntimeError as wrapped:
+        outer = wrapped
+    expected = (f"error: rank 1: a peer is gone ({said}), so this rank stops too: torchrun restarts every worker from "
+                "the last snapshot if --max_restarts allows, else the same command resumes from it")
+    assert known_cause(RuntimeError(message), 60) == known_cause(outer, 60) == expected

@@ -31,37 +31,48 @@ LARGER_BUDGETS = {
     # Teaches two things at once, torchrun (its environment, the process group in torchrun's store under the keys of
     # its attempt) and fault-tolerant snapshots (save, load, resume at the next epoch, a barrier): 66 changed lines,
     # one of them the import of step 2's Ctrl-C handler, which torchrun's workers do not need (they have their own).
-    "multigpu_torchrun.py": (150, 66),
+    # Then the snapshot names the step that wrote it and a resume refuses another step's, as the sharded steps' do
+    # (STEP, one call and its import): 136 lines, 68 changed.
+    "multigpu_torchrun.py": (150, 68),
     # Sharding, sharded (collective) snapshots with their swap and step 4's checks around a collective load, the full
     # model exported at the end, the memory tables, and FSDP's precision and offload policies, which are the API the
     # step teaches: 170 lines, 66 changed. Then 3 lines and 7 changed lines more: the gradients reduced in fp32 under
     # bf16 (a policy argument and why, in the comment), the refusal of another step's snapshot (one call), and one
     # line where the torch at hand trains FSDP on CPU processes wrong (2.6 to 2.8).
-    "fsdp.py": (173, 73),
+    # The import of require_written_by on a line of its own, as every step from step 3 on has it, and step 4's
+    # call of it for its single file, which this step does not have: 174 lines, 74 changed.
+    "fsdp.py": (174, 74),
     # The loop a real model is trained with, each piece a few lines: accumulation with no_sync, mixed precision with a
     # gradient scaler, clipping, a schedule that resumes, torch.compile, a snapshot of all the loop depends on, and a
     # sample of what the model writes: 180 lines, 80 changed (the limit its issue set).
-    "gpt.py": (180, 80),
+    # Then step 3's naming of the step in the snapshot, with its own name (two lines that differ from step 4's),
+    # and its import: 182 lines, 82 changed.
+    "gpt.py": (182, 82),
     # fsdp.py with the device mesh, the tensor-parallel plan applied before FSDP, and the data split over dp (182
     # lines, 60 changed, when TP was all it added), then what running it with dropout and on GPUs took: dropout seeded
     # per epoch by the rank's place in the mesh, with a generator of its own for each rank's heads (9 lines), the
     # whole model gathered without torch's warning (3), its own snapshot's name and the refusal of another step's,
     # step 5's check of the torch at hand, and comments as sentences above the code instead of trailing fragments.
     # Against its issue's (170, 60).
-    "tensor_parallel.py": (200, 91),
+    # The import of require_written_by on a line of its own, as in step 5: 201 lines.
+    "tensor_parallel.py": (201, 91),
     # gpt.py with the loop's forward and backward replaced by a pipeline schedule: the stage and the shapes it sends,
     # the cut of the GPT into stages (in the script: it is the lesson), the (pp, dp) mesh and its timeouts, DDP over
     # dp, each micro-batch's loss / M whatever the torch version, clipping by the whole model's norm, and gpt.py's
     # snapshot turned into a sharded one keyed by the whole model's names (it resumes on any cut and any dp, which a
     # file per stage cannot), less accumulation, the fp16 scaler and compile, whose removed lines count too; comments
     # as sentences above the code. Against its issue's (180, 80); (192, 106) before the sharded snapshot and the cut.
-    "pipeline_parallel.py": (231, 165),
+    # The import of require_written_by on a line of its own, as in step 6, and step 6's call of it for its single
+    # file, which this step does not have: 232 lines, 166 changed.
+    "pipeline_parallel.py": (232, 166),
     # gpt.py (180 lines) with the (dp, cp) mesh and its timeouts, the sampler over dp, the chunks each rank holds and
     # why, the model switched to a rank's chunks around the training loop, the batch cut to those chunks, DDP's
     # average over dp x cp explained, one check, three options and two imports, each comment a sentence above its
     # code: 201 lines, 65 changed, against its issue's (190, 80). Its loop is all of gpt.py's (accumulation, fp16's
     # scaler, compile, the sample), which the issue keeps; the exchange of keys and values lives in utils/context.py.
-    "context_parallel.py": (201, 65),
+    # Then its own name in the snapshot and the refusal of another step's (as gpt.py's, with this step's name:
+    # four changed lines): 203 lines, 69 changed.
+    "context_parallel.py": (203, 69),
     # gpt.py (180 lines) with the (dp, ep) mesh and its timeouts, the experts split (one call: the dispatch lives in
     # utils/moe.py), the two gradient averages the lesson is about (each layer's experts a DDP of its own over dp, with
     # the / ep that makes their gradient the mean over all ranks; the rest a DDP over all ranks that ignores the
@@ -72,17 +83,25 @@ LARGER_BUDGETS = {
     # alone) and --compile (the all-to-alls' splits are data), whose removed lines count too; each comment a sentence
     # above its code, and the two options that take a number refusing a negative one: 226 lines, 136 changed, against
     # its issue's (190, 80).
-    "expert_parallel.py": (226, 136),
+    # The import of require_written_by on a line of its own, as in step 6, and step 6's call of it for its single
+    # file, which this step does not have: 227 lines, 137 changed.
+    "expert_parallel.py": (227, 137),
     # pipeline_parallel.py (231 lines) with every dimension on one (pp, dp, tp) mesh: the TP plan with sequence
     # parallelism and the embeddings' and head's plan for loss parallelism (20 lines, the lesson's core), the cut into
     # two stages a rank with each stage and layer sharded by FSDP over dp in bf16 with fp32 reduction (a function of 25
     # lines, replacing step 8's cut and DDP), the model built on the meta device and given memory shard by shard with
     # its own draws or a seed checkpoint, activation checkpointing, asynchronous snapshots that become the last one only
-    # once whole (a method of 10 lines), the loss under loss_parallel and clipped by a norm over DTensors and stages, the
+    # once whole (a method of 10 lines), the loss under loss_parallel and clipped by a norm over DTensors and
+    # stages, the
     # per-rank memory the plan is checked against (4 lines), the export to one plain file, and five options. Less step
     # 8's random-state snapshot (dropout is seeded by epoch and rank) and its GPipe/1F1B choice, whose removed lines
     # count too. Each comment a sentence above its code: 297 lines, 230 changed, against its issue's (220, -).
-    "one_mesh.py": (297, 230),
+    # Then the export written by rank 0 weight by weight, each weight as it arrives (no rank holds the whole
+    # model), and rank 0 alone with the file for the held-out loss and the sample, instead of step 8's whole GPT
+    # on every rank; every rank's part of one process's very weights drawn with one call; the temporary of an
+    # asynchronous save that a Ctrl-C removes too; the import of require_written_by on a line of its own: 300
+    # lines, 238 changed.
+    "one_mesh.py": (300, 238),
 }
 BLOCK = re.compile(r"(<!-- diff (\S+) (\S+) -->\n)(.*?)(<!-- end diff -->)", re.S)
 

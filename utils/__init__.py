@@ -8,7 +8,7 @@ stop_if_unloadable, require_same_start...; for mp.spawn in step 2, a checked MAS
 workers). Written out in the steps they would be a fifth of each script, and the lesson would drown in them.
 """
 from utils import gpt, synthetic, vision
-from utils.helpers import (configure_cpu_threads, dcp_folder, exists_on_any_rank, exit_without_teardown,
+from utils.helpers import (being_written, configure_cpu_threads, dcp_folder, exists_on_any_rank, exit_without_teardown,
                            load_seed_checkpoint, non_negative_number, positive_int, positive_number, probability,
                            reason, replacing, require_a_gpu_each, require_epochs_left, require_same_arguments,
                            require_same_start, require_torch_for_fsdp, require_torchrun, require_tp_fits,
@@ -44,7 +44,7 @@ def make_workload(name="synthetic", seed=SEED, **options):
     return WORKLOADS[name](seed, **options)
 
 
-__all__ = ["attempt_store", "configure_cpu_threads", "dcp_folder", "evaluate", "exists_on_any_rank",
+__all__ = ["attempt_store", "being_written", "configure_cpu_threads", "dcp_folder", "evaluate", "exists_on_any_rank",
            "exit_without_teardown", "load_seed_checkpoint", "log_memory", "log_rank_metrics", "log_slices",
            "make_workload", "mesh_with_timeout", "non_negative_number", "positive_int", "positive_number",
            "probability", "reason", "rendezvous_port", "replacing", "require_a_gpu_each", "require_epochs_left",

@@ -25,8 +25,10 @@ DDP or torch.compile, and flops_per_token(model), what one trained token costs (
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import math
 import os
+import sys
 from collections import OrderedDict
 
 import torch
@@ -87,13 +89,24 @@ def help_pages():
     return "".join(topics[key] for key in sorted(topics))  # sorted keys: the same order in every process
 
 
+def text_needed(context):
+    """The characters a text needs for a GPT of `context` tokens: its held-out tenth must hold 4 blocks of context."""
+    return 10 * 4 * (context + 1)
+
+
 def load_text(path, min_chars):
     """(name, text): the UTF-8 file at `path` (None: $TUTORIAL_GPT_TEXT's), else CPython's help pages. One clear
-    line if the file is unusable."""
+    line if the file is unusable, or if the text is shorter than `min_chars` (text_needed: a long --context needs a
+    long text, the help pages too)."""
     given = f"--text {path}" if path else f"{TEXT_VARIABLE}={os.environ.get(TEXT_VARIABLE)}"
     path = path or os.environ.get(TEXT_VARIABLE)
     if not path:
-        return "Python's help pages", help_pages()
+        text = help_pages()
+        if len(text) < min_chars:
+            raise SystemExit(f"error: Python's help pages have {len(text):,} characters, and a context of "
+                             f"{min_chars // 40 - 1:,} tokens needs at least {min_chars:,} (its held-out tenth must "
+                             "hold 4 blocks of it): lower --context, or give a longer --text")
+        return "Python's help pages", text
     try:
         with open(path, "rb") as file:
             text = file.read().decode("utf-8-sig")  # strict: a wrong byte stops here; a leading BOM is dropped
@@ -255,20 +268,66 @@ class GPT(nn.Sequential):
     """
 
     def __init__(self, config, vocab, text=None):
-        blocks = [(f"block{i}", Block(config)) for i in range(config.n_layer)]
-        super().__init__(OrderedDict([("embed", Embedding(config)), *blocks, ("head", Head(config))]))
+        layers = dict(GPT.layers(config))
+        super().__init__(OrderedDict([("embed", layers.pop("embed")), *layers.items()]))
         self.config = config
         self.vocab = vocab  # a plain attribute, not a buffer: decoding needs it, the state_dict and DDP do not
         self.text = text  # text_identity() of what it learns: in the state_dict, see get_extra_state
+        # What GPT-2's init draws, in the order it draws it: every weight matrix and embedding (a normal of std 0.02),
+        # then again the matrices that write into the residual stream, smaller, so that the sum over 2 x n_layer of
+        # them starts at unit scale. The whole model's list, kept while a step deletes the layers of other ranks.
+        self.draws = [(f"{name}.weight", module.weight.shape, 0.02) for name, module in self.named_modules()
+                      if isinstance(module, (nn.Linear, nn.Embedding))]
+        self.draws += [(name, param.shape, 0.02 / math.sqrt(2 * config.n_layer))
+                       for name, param in self.named_parameters() if name.endswith("proj.weight")]
         self.init_weights()
 
-    def init_weights(self):
-        """GPT-2's initial weights, drawn from the default generator. A step that builds the model on the meta device
-        calls it again once the weights have memory (one_mesh.py: on each rank's shards)."""
-        self.apply(self._init_weights)
-        for name, param in self.named_parameters():  # GPT-2: the layers that write into the residual stream start
-            if name.endswith("proj.weight"):  # smaller, so the sum over 2 x n_layer of them starts at unit scale
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+    @staticmethod
+    def layers(config):
+        """(name, layer) for a new GPT, built in this order, which draws torch's own initial weights (init_weights
+        replaces them, but their draws move the random generator on): the blocks, the embedding, the head."""
+        for i in range(config.n_layer):
+            yield f"block{i}", Block(config)
+        yield "embed", Embedding(config)
+        yield "head", Head(config)
+
+    @torch.no_grad()
+    def init_weights(self, seed=None):
+        """GPT-2's initial weights, the same whatever the layout: each weight of the whole model is drawn whole, on the
+        CPU, from the default generator, in the order of self.draws, and this model keeps its part of it: all of it in
+        one process; a pipeline stage, the layers it holds; a DTensor (FSDP's shard of tensor parallelism's slice),
+        its own shard. Biases start at 0, the norms' gains at 1.
+
+        `seed`: for a model built on the meta device and given memory later (one_mesh.py, on every rank): the draws
+        of one process that builds the GPT on the CPU with that seed are made again first, layer by layer, so that
+        every rank starts from that process's very weights, with no seed checkpoint. Every rank then draws the whole
+        model twice (its building and GPT-2's): about 8 ns a weight on one CPU core (docs/one-mesh.md)."""
+        # The weights this model holds, by their names in the whole GPT: a block in checkpoint_wrapper (activation
+        # checkpointing) holds its layers under a prefix of its own.
+        held = {name.replace("_checkpoint_wrapped_module.", ""): param for name, param in self.named_parameters()}
+        if any(param.is_meta for param in held.values()):
+            return  # shapes without memory: nothing to draw into yet
+        # A weight the draws do not know by its name would keep what its memory held: say which, rather than train it.
+        unknown = sorted(name for name in set(held) - {name for name, _, _ in self.draws}
+                         if not name.endswith(".bias") and ".norm" not in name)
+        if unknown:
+            raise RuntimeError(f"init_weights draws no weight named {unknown[0]}: a wrapper renamed it")
+        if seed is not None:
+            torch.manual_seed(seed)
+            with torch.device("cpu"):
+                for _ in GPT.layers(self.config):
+                    pass
+        # Memory given after the meta device holds whatever was there before: every weight is drawn or set.
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+            elif isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+        for name, shape, std in self.draws:
+            whole = torch.empty(shape, device="cpu").normal_(mean=0.0, std=std)
+            if name in held:
+                copy_part(whole, held[name])
 
     def get_extra_state(self):
         """Saved in the state_dict beside the weights (as `_extra_state`): the text the model learns."""
@@ -282,15 +341,18 @@ class GPT(nn.Sequential):
                              f"than this run's ({self.text['name']}, {self.text['characters']:,} characters): give "
                              "the text it was trained on (--text), or another --snapshot_path to start anew")
 
-    @staticmethod
-    def _init_weights(module):  # GPT-2's: small weights, so the first predictions are near uniform (loss ~ ln V)
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-        if isinstance(module, nn.LayerNorm):  # as built; again here for a model given memory after the meta device
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
+
+def copy_part(whole, param):
+    """Copy into `param` its part of the tensor `whole`: all of it, or for a DTensor (a weight sharded by FSDP, split by
+    tensor parallelism, or both) the shard this rank holds, cut by DTensor's own rules (distribute_tensor) from the
+    whole, which every rank has: with no communication where torch allows it (2.7 and later), else scattered from the
+    mesh's first rank, which holds the same whole."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no weight can be a DTensor
+    if dtensor is None or not isinstance(param, dtensor.DTensor):
+        return param.copy_(whole)
+    local = {"src_data_rank": None} if "src_data_rank" in inspect.signature(dtensor.distribute_tensor).parameters else {}
+    part = dtensor.distribute_tensor(whole, param.device_mesh, param.placements, **local)
+    return param.to_local().copy_(part.to_local())
 
 
 @contextlib.contextmanager
@@ -370,8 +432,7 @@ def gpt(seed, size=None, text=None, dropout=None, context=None, experts=0, top_k
     if context:
         config = dataclasses.replace(config, context=context)
     config = dataclasses.replace(config, experts=experts, top_k=top_k, capacity_factor=capacity_factor)
-    # The held-out tenth must hold at least 4 blocks.
-    name, text = load_text(text, min_chars=10 * 4 * (config.context + 1))
+    name, text = load_text(text, min_chars=text_needed(config.context))
     vocab = "".join(sorted(set(text)))
     config = dataclasses.replace(config, vocab_size=len(vocab))
     tokens = encode(text, vocab)

@@ -2,6 +2,7 @@
 clean exit."""
 import argparse
 import contextlib
+import glob
 import os
 import re
 import shutil
@@ -115,6 +116,8 @@ def exit_without_teardown():
 def reason(error):
     """An error in one line, for the one line a step stops with: `Type: first line of its message` (the type alone when
     there is no message; for a distributed checkpoint's failure, the first failing rank's own error)."""
+    if isinstance(error, UnusableSnapshot):
+        return str(error)
     failures = getattr(error, "failures", None)  # torch.distributed.checkpoint.CheckpointException: {rank: (error, tb)}
     if failures:
         rank, (cause, _) = next(iter(sorted(failures.items())))
@@ -157,7 +160,7 @@ def writable_path(path):
     """argparse type for --snapshot_path: a file or directory path whose folder exists and takes new files (a snapshot
     that cannot be written would otherwise be found out only at the first save, SAVE_EVERY epochs in). A snapshot
     folder that replacing() had set aside when a crash cut its swap short is put back first, so the start resumes
-    from it instead of starting over."""
+    from it instead of starting over; what saves cut short left of themselves is removed (remove_cut_short)."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         with tempfile.TemporaryFile(dir=folder):
@@ -165,7 +168,18 @@ def writable_path(path):
     except OSError as error:
         raise argparse.ArgumentTypeError(f"cannot write in {folder} ({error.strerror})") from None
     recover_set_aside(path)
+    remove_cut_short(path)
     return path
+
+
+def remove_cut_short(path):
+    """Remove the temporaries that saves of `path` left when they were cut short (`PATH.<pid or run id>.tmp`, and a
+    sharded one's folder `PATH.<run id>.<epoch>.tmp`): a kill, a crash or a power cut in the middle of a save, which no
+    handler of the process could undo. A temporary is never a whole snapshot (a save renames it only once whole), so
+    nothing a run could resume from is lost. Called at the start of a job, when none of its saves is under way: each
+    rank may call it at once."""
+    for leftover in glob.glob(glob.escape(path) + ".*.tmp"):
+        remove(leftover)
 
 
 def dcp_folder(path):
@@ -204,8 +218,16 @@ def recover_set_aside(path):
     return True
 
 
-# The temporaries replacing() is writing at this moment: a worker stopped by Ctrl-C removes them (utils.launch).
+# The temporaries being written at this moment (by replacing(), or in the background: being_written()): a worker
+# stopped by Ctrl-C removes them (utils.launch).
 UNFINISHED = set()
+
+
+def being_written(tmp):
+    """`tmp`, a temporary that a save writes in the background (an asynchronous save's thread) before replacing()
+    puts it in place: from now on a worker stopped by Ctrl-C removes it, as it removes what replacing() writes."""
+    UNFINISHED.add(tmp)
+    return tmp
 
 
 @contextlib.contextmanager
@@ -329,20 +351,57 @@ def require_torch_for_fsdp(sharded=True):
                          "there (on GPUs it is right from 2.6)")
 
 
-def require_written_by(step, path):
-    """Stop every rank with one line, before a sharded snapshot is loaded, unless `step` (a script's name) saved it:
-    a snapshot of another step goes on with another loop, even where the model is the same (step 5 trains the GPT
-    with no schedule, step 7 splits it). The line says what the snapshot holds and what to do. The steps that save
-    sharded snapshots name themselves in them (STEP); one without the name is from before they did. A collective (it
-    reads the snapshot's STEP and EPOCHS_RUN with torch.distributed.checkpoint): call it on every rank."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+class UnusableSnapshot(Exception):
+    """What makes a snapshot unusable, in words (reason() shows the message alone, with no type)."""
 
-    saved = dict(STEP="", EPOCHS_RUN=0)
-    dcp.load(saved, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))  # missing: kept as is
-    if saved["STEP"] != step:
-        epochs = f"{saved['EPOCHS_RUN']} epoch" + "s" * (saved["EPOCHS_RUN"] != 1)
-        holds = f"{saved['STEP']}'s snapshot" if saved["STEP"] else "a snapshot that names no step (an older one)"
+
+def require_a_checkpoint(path):
+    """Stop with UnusableSnapshot, saying in words what is wrong, unless `path` is a folder that a sharded save
+    (torch.distributed.checkpoint) finished: a folder, holding the .metadata such a save writes last, which can be
+    read. Without this check DCP meets a file, an empty folder or a garbled .metadata with a traceback per rank and
+    attempt, then fails on a bare `metadata is None`. Reads .metadata as DCP reads it (FileSystemReader.read_metadata,
+    a pickle): a folder from someone else is as trusted as DCP makes it, no more and no less."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isdir(path):
+        raise UnusableSnapshot(f"it is a file, not the folder of a sharded snapshot{_single_file_step(path)}")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise UnusableSnapshot("the folder holds no .metadata, the file a sharded save writes last: it is not a "
+                               "snapshot, or its save was cut short")
+    try:
+        FileSystemReader(path).read_metadata()
+    except Exception as error:
+        raise UnusableSnapshot(f"its .metadata is not a sharded snapshot's ({reason(error)})") from None
+
+
+def _single_file_step(path):
+    """`(STEP's snapshot)` for a single-file snapshot that names its step, else ""."""
+    with contextlib.suppress(Exception):
+        return f" ({torch.load(path, map_location='cpu', weights_only=True)['STEP']}'s snapshot)"
+    return ""
+
+
+def require_written_by(step, path, snapshot=None):
+    """Stop with one line, before a snapshot is resumed, unless `step` (a script's name) saved it: a snapshot of
+    another step goes on with another loop, even where the model is the same (step 5 trains the GPT with no schedule,
+    step 7 splits it, step 9 resumes step 6's file as its own). The line says what the snapshot holds and what to do;
+    the snapshot is left as it is. Every step names itself in its snapshots (STEP); one without the name is from
+    before they did.
+
+    `snapshot`: a single-file snapshot, already loaded (a dict): its STEP is read there, on this rank alone. Without
+    it, `path` is a sharded snapshot (a folder), checked first (require_a_checkpoint), then its STEP and EPOCHS_RUN
+    read with torch.distributed.checkpoint: a collective, call it on every rank."""
+    if snapshot is None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        require_a_checkpoint(path)
+        snapshot = dict(STEP="", EPOCHS_RUN=0)
+        dcp.load(snapshot, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))  # missing: kept
+    saved, epochs_run = snapshot.get("STEP", ""), snapshot.get("EPOCHS_RUN", 0)
+    if saved != step:
+        epochs = f"{epochs_run} epoch" + "s" * (epochs_run != 1)
+        holds = f"{saved}'s snapshot" if saved else "a snapshot that names no step (an older one)"
         raise SystemExit(f"error: {path} holds {holds} after {epochs}, not {step}'s: give this run its own "
                          f"--snapshot_path, or move {path} away to start anew; it is left in place")
 
@@ -358,6 +417,7 @@ def load_seed_checkpoint(model, path):
 
     weights = get_model_state_dict(model)  # the model's own tensors, under the whole model's names
     try:
+        require_a_checkpoint(path)
         dcp.load({"MODEL_STATE": weights}, checkpoint_id=path)
         set_model_state_dict(model, weights)
     except BaseException as error:

@@ -67,14 +67,25 @@ def _stop_on_ctrl_c(signum, _frame):
 def known_cause(error, timeout_s):
     """The one line a torchrun worker stops with for an error whose cause is known (None for any other), found in
     `error` or the errors it was raised from (torch.distributed.pipelining re-raises a failed send as the cause of its
-    own error): a collective that gave up waiting for a peer, gloo's "Timed out waiting 60000ms for recv operation to
-    complete", from any of the job's process groups."""
+    own error; DDP and autograd raise a collective's error as their own): a collective that gave up waiting for a peer,
+    gloo's "Timed out waiting 60000ms for recv operation to complete", from any of the job's process groups; and a peer
+    that vanished in the middle of a collective (killed, crashed, its machine gone), which gloo reports as "Connection
+    closed by peer [ADDRESS]:PORT" or "Read error [ADDRESS]:PORT: Connection reset by peer", and NCCL as "remote process
+    exited or there was a network error"."""
+    rank = os.environ.get("RANK")
     while error is not None:
-        waited = re.search(r"Timed out waiting \d+ms[^\n]*", str(error)) if isinstance(error, RuntimeError) else None
+        message = str(error) if isinstance(error, RuntimeError) else ""
+        waited = re.search(r"Timed out waiting \d+ms[^\n]*", message)
         if waited:
-            return (f"error: rank {os.environ.get('RANK')}: a collective gave up after --timeout {timeout_s} s "
+            return (f"error: rank {rank}: a collective gave up after --timeout {timeout_s} s "
                     f"({waited[0].rstrip('. ')}): a rank is stuck or gone; the last snapshot is kept, and the same "
                     "command resumes from it")
+        gone = re.search(r"Connection (?:closed|reset) by peer|remote process exited", message)
+        if gone:
+            where = re.search(r"\[([^\]\s]+)\]:\d+", message)
+            return (f"error: rank {rank}: a peer is gone ({gone[0]}" + (f", at {where[1]}" if where else "") + "), "
+                    "so this rank stops too: torchrun restarts every worker from the last snapshot if --max_restarts "
+                    "allows, else the same command resumes from it")
         error = error.__cause__ or error.__context__
     return None
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from utils.gpt import DROPOUT_VARIABLE, decode, encode, flops_per_token, unwrap
+from utils.gpt import DROPOUT_VARIABLE, decode, encode, flops_per_token, load_text, size_of, text_needed, unwrap
 from utils.helpers import positive_number, probability, require_dense_gpt
 
 
@@ -154,8 +154,11 @@ def check_options(args):
     that stands in for an option holds no usable value: fp16 without CUDA, a --grad_clip that is not above 0 (it
     would freeze the model, or train it backwards), --compile without a compiler, $TUTORIAL_GPT_DROPOUT or
     $TUTORIAL_PEAK_TFLOPS that is not a number in its range; the mixture-of-experts GPT in a step that does not add its
-    load-balancing loss (all but expert_parallel.py, which has --aux_weight)."""
+    load-balancing loss (all but expert_parallel.py, which has --aux_weight); a --text (or the help pages) that is no
+    UTF-8 text or too short for the context (a step's --context, else the size's). The text is read here once more,
+    before the process group forms: a step that stopped after it would leave gloo's threads to Python's teardown."""
     require_dense_gpt(args)
+    load_text(args.text, text_needed(getattr(args, "context", None) or size_of(args.workload).context))
     if args.precision == "fp16" and not torch.cuda.is_available():
         raise SystemExit("error: --precision fp16 needs a CUDA GPU (its gradient scaler is for GPUs); on a CPU use "
                          "--precision bf16")

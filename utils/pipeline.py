@@ -6,17 +6,32 @@ cut into stages, the stage, the schedule and the micro-batches stay in the steps
     require_mesh_fits(args, world_size)         the same for step 11's mesh of pp x dp x tp
     require_a_batch(train_data)                 one line and exit when a pipeline gets no whole batch in an epoch
     stage_io(model, micro_batch, stage, stages) what a stage receives and sends per micro-batch (their shapes)
-    reassembled(stage)                          the whole GPT again, from every rank's stages
+    whole_weights(stage, to)                    the whole GPT's weights one at a time, from every rank's stages
+    reassembled(stage)                          the whole GPT again on every rank (step 8)
+    exported(stage, path)                       the whole GPT written to one file from rank 0, weight by weight (step 11)
 """
+import logging
 import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.torch_version import TorchVersion
 
+from utils.context import ALL_GATHER
 from utils.gpt import GPT, size_of, unwrap
 from utils.helpers import require_dense_gpt
+
+# A schedule that meets an error in a step (a peer gone, a collective that gave up) logs its whole plan, 49 lines on
+# every rank of step 11, before it raises the error again; the error says what happened, and the step's worker turns
+# it into one line (utils.launch.known_cause). The plan is what a learner reads in the page, not in a fault.
+logging.getLogger("torch.distributed.pipelining.schedules").setLevel(logging.CRITICAL)
+# DTensor warns, once a rank, when a tensor sharded or summed over two mesh dimensions (dp and tp) is made whole in two
+# collectives, one a dimension, rather than in one over a flattened mesh (a private API): the gradient norm of step
+# 11's clipping (a number) and the weights gathered at the end. Both happen once a step or once a run; every rank
+# gets the same result either way.
+logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
+    lambda record: not str(record.msg).startswith("While redistributing from"))
 
 
 def require_pipeline_fits(args, world_size):
@@ -77,6 +92,13 @@ def require_mesh_fits(args, world_size):
         raise SystemExit(f"error: torch {torch.__version__} cannot train this on CPU processes (its FSDP sums the "
                          "gradients instead of averaging them before 2.9, and 2.9's pipelining fails on gloo): use "
                          "torch 2.10 or newer there (on GPUs, 2.6 or newer)")
+    # With pp 1 a rank holds two neighbouring stages. torch 2.14 hands a micro-batch from one to the other in memory;
+    # 2.11 sends it over the pp group of one rank, which gloo cannot ("Pair is not connected"; seen with 2.11 on every
+    # number of processes, 2.12 and 2.13 not tried). NCCL sends to itself: on GPUs it runs.
+    if gloo and pp == 1 and version < (2, 14):
+        raise SystemExit(f"error: --pp 1 puts both of a rank's stages on that rank, and the pipelining of torch "
+                         f"{torch.__version__} sends between them over gloo, which cannot send to itself: use --pp 2 "
+                         "or more on CPU processes, or torch 2.14 or newer")
 
 
 def require_a_batch(train_data):
@@ -107,19 +129,84 @@ def stage_io(model, micro_batch, stage, stages, dtype=None, tp=None):
     return tokens if stage == 0 else activations, logits if stage == stages - 1 else activations
 
 
+def whole_weights(stage, to=None):
+    """(name, the whole tensor) for every entry of the whole GPT's state_dict, in order, from every rank's pipeline
+    stages (a DDP wrapper of one, or a GPT holding the rank's layers, sharded by FSDP and split by tensor parallelism):
+    each weight made whole on the ranks that hold it (DTensor.full_tensor(), over their mesh), then sent from the first
+    of them, a tensor, to rank `to` (None: to every rank, a broadcast). One weight at a time: no rank holds more than
+    one whole weight beyond its shards, but the receiver of what it keeps. On the ranks that receive nothing, the value
+    is None. A collective: call it on every rank, and take every item."""
+    with torch.device("meta"):
+        template = GPT(unwrap(stage).config, unwrap(stage).vocab, unwrap(stage).text)
+    whole = template.state_dict()  # names and shapes; the text's identity (_extra_state), which every rank knows
+    mine = get_model_state_dict(stage)  # this rank's weights under the whole model's names: tensors or DTensors
+    device = next(stage.parameters()).device
+    names = [name for name, value in whole.items() if isinstance(value, torch.Tensor)]
+    # Who holds what: a flag per weight from every rank, gathered (numbers, not pickles).
+    flags = torch.tensor([name in mine for name in names], dtype=torch.int32, device=device)
+    holders = torch.empty(dist.get_world_size() * len(names), dtype=torch.int32, device=device)
+    ALL_GATHER(holders, flags)
+    holders = holders.view(dist.get_world_size(), len(names)).argmax(0).tolist()  # the first rank holding each
+    me = dist.get_rank()
+    for name, value in whole.items():
+        if not isinstance(value, torch.Tensor):
+            yield name, value
+            continue
+        first = holders[names.index(name)]
+        held = mine.get(name)
+        held = held.full_tensor() if hasattr(held, "full_tensor") else held  # its holders gather it, one collective
+        if to is None:
+            buffer = held.contiguous() if me == first else torch.empty_like(value, device=device)
+            dist.broadcast(buffer, src=first)
+            yield name, buffer
+        elif me == to:
+            if first != me:
+                held = torch.empty_like(value, device=device)
+                dist.recv(held, src=first)
+            yield name, held
+        else:
+            if me == first:
+                dist.send(held.contiguous(), dst=to)
+            yield name, None
+        del held
+
+
 def reassembled(stage):
-    """The whole GPT, put back together from every rank's pipeline stages (a DDP wrapper of one, or a GPT holding the
-    rank's layers, sharded by FSDP and split by tensor parallelism), on the stage's device: each rank's weights
-    gathered whole, then to every rank. A collective: call it on every rank."""
-    state = get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True))  # DTensors gathered whole
-    stage = unwrap(stage)
-    state["_extra_state"] = stage.get_extra_state()  # the text's identity too
-    pieces = [None] * dist.get_world_size()
-    dist.all_gather_object(pieces, {name: value.cpu() if isinstance(value, torch.Tensor) else value
-                                    for name, value in state.items()})
-    model = GPT(stage.config, stage.vocab, stage.text)
-    missing = set(model.state_dict()) - {name for piece in pieces for name in piece}
-    assert not missing, f"no stage holds {sorted(missing)}"
-    for piece in pieces:
-        model.load_state_dict(piece, strict=False)
+    """The whole GPT on every rank, put back together from every rank's pipeline stages (whole_weights), on the
+    stage's device: each weight travels once, from one of the ranks that hold it. A collective: call it on every
+    rank."""
+    gpt = unwrap(stage)
+    model = GPT(gpt.config, gpt.vocab, gpt.text).to(next(stage.parameters()).device)
+    model.load_state_dict(dict(whole_weights(stage)))
+    return model
+
+
+def exported(stage, path):
+    """Write the whole GPT's state_dict (whole_weights) from rank 0 to one plain file at `path`, weight by weight: each
+    weight goes to a scratch file beside it as it arrives and is let go; the file is then written from those, read
+    memory-mapped. So no rank holds the whole model, rank 0 included. The file loads with torch.load into a GPT
+    without torch.distributed. Returns, on rank 0, the GPT read back from it, on the stage's device (for the held-out
+    loss and a sample: what a user of the file does); None elsewhere. A collective: call it on every rank."""
+    import tempfile
+
+    from utils.helpers import replacing
+
+    me, weights = dist.get_rank(), whole_weights(stage, to=0)
+    if me != 0:
+        for _ in weights:
+            pass
+        return None
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(path))) as scratch:
+        state = {}
+        for name, value in weights:
+            if isinstance(value, torch.Tensor):
+                part = os.path.join(scratch, f"{len(state)}.pt")
+                torch.save(value.cpu(), part)
+                value = torch.load(part, mmap=True, weights_only=True)
+            state[name] = value
+        with replacing(path) as tmp:
+            torch.save(state, tmp)
+    gpt = unwrap(stage)
+    model = GPT(gpt.config, gpt.vocab, gpt.text)
+    model.load_state_dict(torch.load(path, mmap=True, weights_only=True))
     return model.to(next(stage.parameters()).device)

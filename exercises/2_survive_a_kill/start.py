@@ -20,6 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
+from utils import require_written_by
 
 
 def ddp_setup(timeout_s):

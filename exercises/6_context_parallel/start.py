@@ -22,6 +22,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
+from utils import require_written_by
 from utils import mesh_with_timeout, require_same_arguments, require_same_start
 from utils.context import require_cp_fits, split_sequence
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu, rng_state, set_rng_state
@@ -77,6 +78,7 @@ class Trainer:
             self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])
             self.scaler.load_state_dict(snapshot["SCALER_STATE"])
             set_rng_state(snapshot["RNG_STATES"], self.global_rank)  # this rank's dropout, where it left off
+            require_written_by("context_parallel.py", self.snapshot_path, snapshot)
             epochs_run = snapshot["EPOCHS_RUN"]
         self.schedule.resume(self.scheduler.last_epoch, (self.args.total_epochs - epochs_run) * self.steps_per_epoch)
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
@@ -125,7 +127,7 @@ class Trainer:
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
         snapshot = dict(MODEL_STATE=self.model.module.state_dict(), OPTIMIZER_STATE=self.optimizer.state_dict(),
                         SCHEDULER_STATE=self.scheduler.state_dict(), SCALER_STATE=self.scaler.state_dict(),
-                        RNG_STATES=rng_states, EPOCHS_RUN=epoch + 1)
+                        RNG_STATES=rng_states, EPOCHS_RUN=epoch + 1, STEP="context_parallel.py")
         # Written to a file of its own, then renamed over the last one: a crash never leaves half a file.
         with replacing(self.snapshot_path) as tmp:
             torch.save(snapshot, tmp)
