@@ -29,11 +29,12 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
+from utils import require_written_by
 from utils import require_same_arguments, require_same_start
-from utils import exists_on_any_rank, mesh_with_timeout, require_written_by
-from utils import SEED, dcp_folder, load_seed_checkpoint
+from utils import exists_on_any_rank, mesh_with_timeout
+from utils import SEED, being_written, dcp_folder, load_seed_checkpoint
 from utils.memory import saved_for_backward, state_bytes
-from utils.pipeline import reassembled, require_a_batch, require_mesh_fits, stage_io
+from utils.pipeline import exported, require_a_batch, require_mesh_fits, stage_io
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu
 
 # The optimizer's state saved weight by weight, under the weights' names, its settings too (block3.mlp.fc.weight's
@@ -171,7 +172,8 @@ class Trainer:
         snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state,
                         SCHEDULER_STATE=self.scheduler.state_dict(), EPOCHS_RUN=epoch + 1, STEP="one_mesh.py")
         # Every rank writes its shards into one folder of this save's; rank 0 makes it the last snapshot once whole.
-        tmp = f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.{epoch}.tmp"
+        # Until then a Ctrl-C removes it, also while a thread writes it in the background.
+        tmp = being_written(f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.{epoch}.tmp")
         if self.saver:  # copies the state to memory, then writes it in a thread while the training goes on
             self.saving = tmp, dcp.async_save(snapshot, checkpoint_id=tmp, process_group=self.saver), epoch
         else:
@@ -249,10 +251,11 @@ def main(args):
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
     mesh_with_timeout(mesh, args.timeout)  # the groups it made give up after --timeout too
     model, stages = parallelize(workload.model, mesh, args)
-    model.to_empty(device=device)  # memory for this rank's shards alone, then its own draws of GPT-2's weights
-    torch.manual_seed(hash((SEED, dist.get_rank())))
-    model.init_weights()
-    if args.seed_checkpoint:  # or one process's very weights, from a DCP folder of them: each rank reads its shards
+    # Memory for this rank's shards alone, then its part of one process's initial weights, drawn again whole on every
+    # rank: the same model on any mesh. Or those weights read from a DCP folder of them, each rank its shards.
+    model.to_empty(device=device)
+    model.init_weights(seed=SEED)
+    if args.seed_checkpoint:
         load_seed_checkpoint(model, args.seed_checkpoint)
     train_data = prepare_dataloader(workload.train_set, args.batch_size, mesh["dp"])
     # A --batch_size larger than a pipeline's share of the data would leave it nothing to train on: one line.
@@ -260,17 +263,17 @@ def main(args):
     trainer = Trainer(model, stages, train_data, workload.make_optimizer(model), workload.loss_fn, device,
                       args.save_every, args.snapshot_path, args, mesh)
     trainer.train(args.total_epochs)
-    # Every weight gathered whole onto every rank, the GPT again: for the held-out loss, a sample and one plain file.
-    trainer.model = reassembled(trainer.model)
-    metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device)
-    if trainer.global_rank == 0:
-        print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
-        full_path = os.path.join(os.path.dirname(args.snapshot_path), "mesh_model_full.pt")  # beside the snapshot
-        torch.save(trainer.model.state_dict(), full_path)  # loads without torch.distributed
-        print(f"{trainer.tag} full model saved to {full_path}")
-        sample = generate(trainer.model, seed=0).strip("\n").splitlines()  # the same seed every run
-        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
+    # The whole GPT written to one plain file beside the snapshot by rank 0, weight by weight as each arrives from the
+    # ranks that hold it: no rank ever holds the whole model. Rank 0 goes on alone with the file, as a user would.
+    full_path = os.path.join(os.path.dirname(args.snapshot_path), "mesh_model_full.pt")
+    model = exported(trainer.model, full_path)
     dist.destroy_process_group()
+    if trainer.global_rank == 0:
+        print(f"{trainer.tag} full model saved to {full_path}")
+        metrics = evaluate(model, workload.eval_set, workload.loss_fn, device)
+        print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
+        sample = generate(model, seed=0).strip("\n").splitlines()  # the same seed every run
+        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
     exit_without_teardown()  # Python's teardown can abort under gloo: see utils
 
 

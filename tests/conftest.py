@@ -21,13 +21,14 @@ def text():
     return help_excerpt()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: `make test-fast` leaves the GPU tests out on a GPU machine too
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="needs CUDA: no GPU on this machine")
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(skip)
+            item.add_marker("slow")  # every GPU test runs the steps as processes
+            if not torch.cuda.is_available():
+                item.add_marker(skip)
 
 
 def starts_python(command):

@@ -1,4 +1,6 @@
 """The same steps on GPUs (CUDA, nccl), unchanged. Skipped cleanly on a machine without CUDA."""
+import re
+
 import pytest
 import torch
 
@@ -13,7 +15,8 @@ def assert_learned_on_cuda(text):
 
     losses = epoch_losses(text)
     assert sorted(losses) == list(range(EPOCHS)) and losses[EPOCHS - 1] < 0.5 * losses[0], text
-    assert "| cuda" in text and "| cpu]" not in text, text
+    # Step 1 tags its lines [cuda], the others [rank 0/2 | cuda:0] or [rank 0/2 | local 0 | cuda:0].
+    assert re.search(r"^\[(?:rank [^\]]*\| )?cuda(?::\d+)?\]", text, re.M) and "cpu]" not in text, text
 
 
 def test_single_gpu_trains_on_cuda(tmp_path):

@@ -233,6 +233,40 @@ def test_a_text_given_as_an_option_is_named_as_the_option_and_wins_over_the_vari
     assert re.fullmatch(r"error: cannot read --text \S+missing\.txt \(No such file or directory\); .*", str(stop.value))
 
 
+@pytest.mark.parametrize("workload", ["gpt-cpu", "gpt-gpu", "gpt-moe-cpu"])
+def test_a_part_of_the_gpt_built_on_meta_draws_one_process_s_weights_for_what_it_holds(tmp_path, workload):
+    """one_mesh.py's model: built on the meta device (no draws), cut to a pipeline stage (the other layers deleted),
+    a block in checkpoint_wrapper, given memory that holds garbage. init_weights(seed) makes again the draws of one
+    process that builds the GPT with that seed, and keeps its part: the weights it holds are that process's, bit for
+    bit, whatever the generator held before. (8 ranks of DTensor shards: tests/test_one_mesh.py.)"""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from utils import SEED
+    from utils.gpt import help_pages
+
+    text = tmp_path / "text.txt"
+    text.write_text(help_pages()[:12_000])  # long enough for the GPU size's context
+    whole = make_workload(workload, text=str(text)).model.state_dict()
+    part = make_workload(workload, text=str(text), device="meta").model
+    for name in [name for name, _ in part.named_children() if name not in ("block1", "head")]:
+        delattr(part, name)  # the layers of the other pipeline stages
+    part.register_module("block1", checkpoint_wrapper(part.block1))
+    part.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in part.parameters():
+            param.fill_(float("nan"))
+    torch.manual_seed(1234)
+    part.init_weights(seed=SEED)
+    held = {name.replace("_checkpoint_wrapped_module.", ""): value for name, value in part.state_dict().items()
+            if isinstance(value, torch.Tensor)}
+    assert held.keys() == {name for name in whole if name.startswith(("block1.", "head."))} and \
+        all(torch.equal(value, whole[name]) for name, value in held.items())
+    part.register_module("head", torch.nn.Sequential(part.head))
+    with pytest.raises(RuntimeError, match=r"^init_weights draws no weight named head\.0\.linear\.weight: a wrapper "
+                                           r"renamed it$"):
+        part.init_weights(seed=SEED)
+
+
 @pytest.mark.slow
 def test_single_gpu_trains_the_gpt_too(tmp_path):
     """--workload gpt works in every step (fsdp.py's sharding of it: tests/test_gpt.py)."""

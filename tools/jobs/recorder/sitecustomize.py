@@ -10,6 +10,10 @@ changed; without the variables nothing happens.
     was wrapped in DDP, `mesh` (this rank's coordinates in the named DeviceMesh init_device_mesh made, e.g.
     {"dp": 1, "tp": 0}; None without one), `node` (torchrun's GROUP_RANK: which node the process runs on), and the
     sample indices in the order the process trained on them.
+    `losses`: every loss this rank called backward() on in the pass, in order (a step's, or each micro-batch's).
+    `routes`, in a job of step 10 (utils/moe.py): for each training forward of a MoE layer in the pass, in order
+    (step by step, layer by layer), the experts the router chose for each of this rank's tokens, its top_k in the
+    order of choice, as the hex of one byte an assignment; None elsewhere.
     Overlapping shards, a shuffle that never changes, a resume that repeats an epoch: all show in it. (A BatchSampler
     is what every DataLoader with a batch size iterates over, so patching its __iter__ sees every batch of every
     step.)
@@ -218,7 +222,7 @@ if RECORD_DIR or KILL_AT:
         if RECORD_DIR:
             before = dict(began=time.time(), params_before=_parameters_hash(), optimizer_before=_optimizer_hash())
             _now.update(in_pass=True, loss=0.0, samples=0, bypass=None, draws={}, reduce_scatter_dtypes=set(),
-                        scores=0)
+                        scores=0, losses=[], routes=[])
         indices = []
         try:
             for batch in _batches(self):
@@ -233,7 +237,8 @@ if RECORD_DIR or KILL_AT:
                 pid=os.getpid(), rank=_rank(), restart=restart, sampler=type(self.sampler).__name__, epoch=epoch,
                 number=number, ddp=_wrapped[0], mesh=_now["mesh"], node=int(os.environ.get("GROUP_RANK", 0)),
                 indices=indices, **before, ended=time.time(), params=_parameters_hash(), optimizer=_optimizer_hash(),
-                loss=_now["loss"] / _now["samples"] if _now["samples"] else None, bypass=_now["bypass"],
+                loss=_now["loss"] / _now["samples"] if _now["samples"] else None, losses=_now["losses"],
+                routes=_now["routes"] or None, bypass=_now["bypass"],
                 draws={kind: digest.hexdigest()[:16] for kind, digest in _now["draws"].items()},
                 whole_along_tp=_whole_along_tp_hash(),
                 reduce_scatter_dtypes=sorted(_now["reduce_scatter_dtypes"]),
@@ -279,7 +284,8 @@ if RECORD_DIR or KILL_AT:
 
         def _noting_backward(self, *args, **kwargs):
             if _now["in_pass"] and self.numel() == 1:  # a loss: weighted by its batch's size, as the steps average
-                _now["loss"] += self.item() * _now["batch"]
+                _now["losses"].append(self.item())
+                _now["loss"] += _now["losses"][-1] * _now["batch"]
                 _now["samples"] += _now["batch"]
             return _backward(self, *args, **kwargs)
 
@@ -307,13 +313,19 @@ if RECORD_DIR or KILL_AT:
 
         _dropout, _attention = torch.nn.functional.dropout, torch.nn.functional.scaled_dot_product_attention
 
+        def _traced(tensor):
+            """Whether `tensor` only stands for one while torch.compile traces (a FakeTensor: no mask is drawn)."""
+            from torch._subclasses.fake_tensor import is_fake
+
+            return is_fake(tensor)
+
         def _noting_dropout(input, p=0.5, training=True, inplace=False):
-            if training and p > 0:
+            if training and p > 0 and not _traced(input):
                 _note_draw("dropout", input)
             return _dropout(input, p, training, inplace)
 
         def _noting_attention(query, *args, **kwargs):
-            if kwargs.get("dropout_p", args[3] if len(args) > 3 else 0.0) > 0:
+            if kwargs.get("dropout_p", args[3] if len(args) > 3 else 0.0) > 0 and not _traced(query):
                 _note_draw("attention", query)
             return _attention(query, *args, **kwargs)
 
@@ -417,6 +429,21 @@ if RECORD_DIR:
         context_module.Ring.pairs, context_module.split_sequence = counting_pairs, noting_split_sequence
 
     sys.meta_path.insert(0, _PatchOnImport("utils.context", _record_context))  # step 9's exchange
+
+    def _record_routes(moe_module):
+        """Wrap utils/moe.py's MoE._record, which every training forward of a MoE layer calls with its router's
+        probabilities: the experts each token goes to, as the layer picks them (topk of the same probabilities)."""
+        record = moe_module.MoE._record
+
+        def noting_record(self, probs, counts):
+            if _now["in_pass"]:
+                chosen = probs.topk(self.top_k, dim=-1).indices.flatten()
+                _now["routes"].append(chosen.to(torch.uint8).cpu().numpy().tobytes().hex())
+            return record(self, probs, counts)
+
+        moe_module.MoE._record = noting_record
+
+    sys.meta_path.insert(0, _PatchOnImport("utils.moe", _record_routes))  # step 10's routers
 
 if RECORD_STEPS:
     import math
