@@ -22,11 +22,9 @@ The model is built on the meta device: no rank ever holds it whole. This noteboo
 process's, and resumes its snapshot on a single process."""),
     new_code_cell("""import json
 import shutil
-import warnings
 
 from nbhelpers import print_job, scratch, show_diff
 from tools.jobs import machine_summary, run, shared_file, torchrun
-from tools.seed_checkpoint import seed_checkpoint_beside
 from utils.gpt import help_pages
 from utils.metrics import RUN_DIR_VARIABLE
 
@@ -35,27 +33,22 @@ print(machine_summary())"""),
 
 Generated from the two files in the repository. The loop and the sharded snapshot are step 8's; what is new is
 `parallelize` (the tensor-parallel plan, two stages a rank, FSDP over dp, activation checkpointing on request), the
-interleaved schedule inside `loss_parallel`, the model built on the meta device and read from a seed checkpoint, the
-asynchronous snapshots, and the export of the whole model to one file."""),
+interleaved schedule inside `loss_parallel`, the model built on the meta device and given one process's weights, the
+asynchronous snapshots, and the export of the whole model to one file, weight by weight."""),
     new_code_cell("""show_diff("pipeline_parallel.py", "one_mesh.py")"""),
     new_markdown_cell("""## 8 processes: pp 2 × dp 2 × tp 2
 
 A 4,600-character excerpt of the help pages (64 sequences of 64 characters), batches of 4 per dp rank (8 in all) in
-2 micro-batches, 3 epochs of 8 optimizer steps, dropout 0, fp32. The initial weights come from a **seed
-checkpoint**: `tools/seed_checkpoint.py` builds the model once in this process, where it fits, and saves it with
-DCP; each rank reads only its own shards of it. So the job starts from the very weights one process starts from,
-which the comparison below needs (without it, each rank draws its shards from its own generator). Each rank writes
-its per-epoch metrics to `runs/`."""),
+2 micro-batches, 3 epochs of 8 optimizer steps, dropout 0, fp32. The model is built on the meta device (shapes, no
+memory); each rank gives memory to its shards alone, then **draws one process's initial weights** again, one weight at
+a time, on the CPU, keeping its part of each (`init_weights(seed=SEED)`). So the job starts from the very weights one
+process starts from, which the comparison below needs, with no seed checkpoint (`--seed_checkpoint` reads the same
+weights from a DCP folder instead). Each rank writes its per-epoch metrics to `runs/`."""),
     new_code_cell("""text = shared_file("help_excerpt.txt", help_pages()[:4600])  # a file named by its content
-# DCP warns that a save without a process group comes from one process alone: here that is the point.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    seed = seed_checkpoint_beside(text)  # one process's initial weights, a DCP folder beside the text
 # shared=True: in the test suite, the job tests/test_one_mesh.py runs too is run once for both; in Jupyter it simply
 # runs.
 job = run(torchrun("one_mesh.py", 3, 1, "--workload", "gpt-cpu", "--text", text, "--dropout", 0,
-                   "--batch_size", 4, "--pp", 2, "--tp", 2, "--microbatches", 2, "--seed_checkpoint", seed,
-                   nproc=8), cwd=scratch("mesh8"), env={RUN_DIR_VARIABLE: "runs"}, timeout=240, shared=True)
+                   "--batch_size", 4, "--pp", 2, "--tp", 2, "--microbatches", 2, nproc=8), cwd=scratch("mesh8"), env={RUN_DIR_VARIABLE: "runs"}, timeout=240, shared=True)
 print_job(job)"""),
     new_markdown_cell("""## Who holds what, read from the snapshot
 
@@ -163,7 +156,7 @@ One process, the same GPT from the same initial weights, the same batches of 8 i
 (`tools/one_process.py`, the reference the tests use too): 3 epochs, and a fourth for the resume below, the schedule's
 cosine ending after the third as the job's does. The job's loss of an epoch is the mean over the samples of the two
 ranks that count them (the first tp rank of each dp group's last stage); its final weights are in
-`mesh_model_full.pt`, the whole model rank 0 gathered and saved as one plain file."""),
+`mesh_model_full.pt`, the whole model rank 0 wrote, weight by weight, as one plain file."""),
     new_code_cell("""# NBVAL_CHECK_OUTPUT
 from tools.one_process import train_gpt
 

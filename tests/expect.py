@@ -81,8 +81,10 @@ PEER_GONE = re.compile(r"^error: rank \d+: (?:a peer is gone \(Connection (?:clo
 
 def assert_only_own_lines(job):
     """The job's workers printed their own lines and nothing of torch's: no traceback, no library warning or log
-    record (torchrun's own log records, `W1125 ...`, are the launcher's, and allowed)."""
-    noise = LIBRARY_NOISE.findall(job.output)
+    record (torchrun's own log records, `W1125 ...`, and its report of a job that failed are the launcher's, and
+    allowed: python -m torch.distributed.run's traceback begins in <frozen runpy>)."""
+    workers = job.output.split('Traceback (most recent call last):\n  File "<frozen runpy>"')[0]
+    noise = LIBRARY_NOISE.findall(workers)
     assert not noise, f"{len(noise)} lines of library noise; the output ends:\n{job.output[-3000:]}"
 
 

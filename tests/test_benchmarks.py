@@ -542,3 +542,21 @@ def test_process_cost_measures_the_imports_for_real(monkeypatch, capsys):
     assert rows.keys() == {"import_torch", "import_dynamo"}, text
     assert 0.3 < rows["import_torch"] < rows["import_dynamo"], text  # torch._dynamo comes on top of torch
     assert re.search(r"^importing torch\._dynamo after torch: [\d.]+ s$", text, re.M), text
+
+
+def test_init_weights_times_what_a_rank_draws_and_rates_it_per_weight_of_the_whole_model(monkeypatch, capsys):
+    """The CPU and GPU sizes, one round each (the 1B width's draws take seconds): each row counts the whole model's
+    weights (a rank draws them all, whatever it holds) and the 8b line extrapolates the last rate."""
+    import torch
+
+    from tools.memory_plan import config_of
+    from utils.gpt import GPT
+
+    printed = run_benchmark(monkeypatch, capsys, "init_weights.py", "--sizes", "cpu", "gpu", "--rounds", 1)
+    with torch.device("meta"):
+        whole = {size: sum(param.numel() for param in GPT(config_of(size), "").parameters())
+                 for size in ("cpu", "gpu", "8b")}
+    rows = dict(re.findall(r"^ +(cpu|gpu) +([\d,]+) +[\d.]+ +[\d.]+$", printed, re.M))
+    assert rows == {size: f"{whole[size]:,}" for size in ("cpu", "gpu")}, printed
+    assert re.search(rf"^at [\d.]+ ns a weight \(gpu's rate\), the 8b width's {whole['8b']:,} weights take \d+ s on "
+                     r"every rank; a seed checkpoint draws none$", printed, re.M), printed

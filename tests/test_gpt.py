@@ -121,8 +121,8 @@ def test_the_gpt_learns_reports_tokens_per_s_and_prints_a_sample(uninterrupted, 
 def test_the_snapshot_holds_everything_the_loop_depends_on(uninterrupted):
     snapshot = load(uninterrupted.cwd / SNAPSHOT)
     assert set(snapshot) == {"MODEL_STATE", "OPTIMIZER_STATE", "SCHEDULER_STATE", "SCALER_STATE", "RNG_STATES",
-                             "EPOCHS_RUN"}
-    assert snapshot["EPOCHS_RUN"] == 3
+                             "EPOCHS_RUN", "STEP"}
+    assert snapshot["EPOCHS_RUN"] == 3 and snapshot["STEP"] == "gpt.py"
     assert snapshot["SCHEDULER_STATE"]["last_epoch"] == 3 * STEPS_PER_EPOCH  # stepped once per optimizer step
     schedule = snapshot["SCHEDULER_STATE"]["lr_lambdas"][0]  # WarmupCosine's own state: how long, where
     assert schedule["total_steps"] == 3 * STEPS_PER_EPOCH, schedule

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from tools.jobs import free_port, run, start, torchrun, torchrun_node
+from expect import PEER_GONE, assert_only_own_lines
+from tools.jobs import free_port, output, run, start, torchrun, torchrun_node
 from tools.jobs.processes import alive
 from utils.launch import known_cause
 
@@ -136,3 +137,35 @@ def test_a_peer_gone_in_the_middle_of_a_collective_is_told_in_one_line_wherever_
     expected = (f"error: rank 1: a peer is gone ({said}), so this rank stops too: torchrun restarts every worker from "
                 "the last snapshot if --max_restarts allows, else the same command resumes from it")
     assert known_cause(RuntimeError(message), 60) == known_cause(outer, 60) == expected
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_on_step_11s_mesh_makes_the_others_stop_within_the_timeout_with_one_line_each(tmp_path):
+    """one_mesh.py, pp 2 x tp 2 on 4 ranks, asynchronous saves: rank 1 skips its third all_reduce, its first clipping
+    of the gradient norm along its pipeline, and sleeps. Its peers wait for it in the mesh's groups (its tp peer in the
+    blocks' collectives, its pp peer in the schedule's sends and the clipping). Each rank that gives up, or that then
+    finds its peer gone, says so in one line; torch's pipelining printed its whole schedule before (49 lines a rank),
+    and a rank whose peer had left printed a traceback."""
+    from utils.gpt import help_pages
+
+    timeout = 5
+    (tmp_path / "text.txt").write_text(help_pages()[:4600])
+    command = torchrun("one_mesh.py", 3, 1, "--workload", "gpt-cpu", "--text", tmp_path / "text.txt", "--pp", 2,
+                       "--tp", 2, "--batch_size", 8, "--microbatches", 2, "--async_save", "--timeout", timeout,
+                       nproc=4)
+    with start(command, cwd=tmp_path, skip_all_reduce=(1, 3)) as job:
+        workers = job.workers(nproc=4)
+        job.wait_for(r"rank 1 skips its all_reduce number 3", timeout=STARTUP)
+        skipped = time.monotonic()
+        while job.running() and time.monotonic() < skipped + timeout + STARTUP:
+            time.sleep(0.1)
+        took, left = time.monotonic() - skipped, [rank for rank, pid in workers.items() if alive(pid)]
+        [code] = job.wait(timeout=1)
+    assert code is not None and code != 0, f"still waiting {took:.0f} s after the skip:\n{job.output[-3000:]}"
+    assert not left, f"ranks {left} still ran after torchrun ended"
+    errors = output.errors(job.output)
+    ranks = [re.match(r"error: rank (\d+)", line)[1] for line in errors]
+    assert errors and all(PEER_GONE.match(line) for line in errors) and len(ranks) == len(set(ranks)), errors
+    assert "1" not in ranks and any("a collective gave up" in line for line in errors), errors
+    assert_only_own_lines(job)
+    assert not re.search(r"Step \d+: ", job.output), job.output[-3000:]

@@ -37,7 +37,7 @@ SNAPSHOT = "mesh_snapshot"
 # Equal up to float rounding: one process sums the whole batch's gradients at once; the mesh sums each tp rank's
 # part of a matrix product, each micro-batch's gradients, and the dp ranks' shards in other orders. Adam's division by
 # the gradients' running magnitude magnifies the difference in a few weights. Measured here (torch 2.14.1, x86): every
-# epoch's loss within 2e-6 (float32 sums of the ranks' losses), the weights within 5.8e-5 after 24 steps, 7.6e-5 after
+# epoch's loss within 4.3e-6 (float32 sums of the ranks' losses), the weights within 6.2e-5 after 24 steps, 7.6e-5 after
 # the 4 ranks' epoch and 6.8e-5 after the one process's; one process training other batches (4 a step) ends 0.15 away.
 LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-5, 2e-4
 
@@ -376,7 +376,7 @@ def test_on_the_meta_device_no_rank_holds_the_model_and_each_draws_its_part_of_o
     so is the seed checkpoint read into the shards and reassembled. No rank draws from a DTensor's random-number
     tracker, which on GPUs starts every rank at rank 0's state.
 
-    The export: rank 0 receives each weight it does not hold once (the whole model's bytes at most, where gathering
+    The export: rank 0 receives each weight it does not hold once, the layers of the other pipeline rank (gathering
     every rank's state dict on every rank gave it 4 times the model), and no rank holds a whole weight while it makes
     the next one whole: not rank 0, which writes each to disk as it comes, nor the ranks that gather their shards."""
     results = spawned_result(meta_worker, (free_port(), str(text), str(seed_checkpoint_beside(text)), str(tmp_path)),
@@ -385,7 +385,10 @@ def test_on_the_meta_device_no_rank_holds_the_model_and_each_draws_its_part_of_o
         assert result["held"] < result["whole"] / 3, (rank, result)
         assert result["drawn"] == 0 and result["read"] == 0, (rank, result)
         assert result["most_held"] == 0, (rank, result)
-    assert 0 < results[0]["received"] <= 4 * results[0]["whole"] and all(r["received"] == 0 for r in results[1:])
+    other_stages = make_workload("gpt-cpu", text=str(text), dropout=0).model.state_dict()
+    other_stages = sum(value.numel() * value.element_size() for name, value in other_stages.items()
+                       if name.startswith(("block0.", "head.")))  # pipeline rank 1's layers
+    assert results[0]["received"] == other_stages and all(result["received"] == 0 for result in results[1:])
 
 
 # --- bad input --------------------------------------------------------------------------------------------------------

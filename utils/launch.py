@@ -126,6 +126,12 @@ def attempt_store(timeout_s):
     that gave up waiting for a peer, above all), stop it with one line, not a traceback.
     """
     threading.Thread(target=_watch, args=(timeout_s, os.getppid()), daemon=True).start()
+    # Every line this worker prints reaches the terminal or the log in one write: unbuffered (PYTHONUNBUFFERED, as a
+    # job runner sets it), Python writes a message and its newline apart, and two ranks' one-line errors, printed at
+    # the same moment, ran together on one line.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=False)
     signal.signal(signal.SIGINT, _stop_on_ctrl_c)
     sys.excepthook = _one_line_for_known_causes(timeout_s, sys.excepthook)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

@@ -183,29 +183,35 @@ def reassembled(stage):
 
 def exported(stage, path):
     """Write the whole GPT's state_dict (whole_weights) from rank 0 to one plain file at `path`, weight by weight: each
-    weight goes to a scratch file beside it as it arrives and is let go; the file is then written from those, read
-    memory-mapped. So no rank holds the whole model, rank 0 included. The file loads with torch.load into a GPT
-    without torch.distributed. Returns, on rank 0, the GPT read back from it, on the stage's device (for the held-out
-    loss and a sample: what a user of the file does); None elsewhere. A collective: call it on every rank."""
-    import tempfile
+    weight goes to a file of its own in a folder beside it (`PATH.<pid>.parts.tmp`) as it arrives, and is let go; the
+    file is then written from those, read memory-mapped. So no rank holds the whole model, rank 0 included. The file
+    loads with torch.load into a GPT without torch.distributed. What an export cut short left is removed by the next
+    one (and the folder by a Ctrl-C). Returns, on rank 0, the GPT read back from the file, on the stage's device (for
+    the held-out loss and a sample: what a user of the file does); None elsewhere. A collective: call it on every
+    rank."""
+    from utils.helpers import UNFINISHED, being_written, remove, remove_cut_short, replacing
 
-    from utils.helpers import replacing
-
-    me, weights = dist.get_rank(), whole_weights(stage, to=0)
-    if me != 0:
+    weights = whole_weights(stage, to=0)
+    if dist.get_rank() != 0:
         for _ in weights:
             pass
         return None
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(path))) as scratch:
+    remove_cut_short(path)
+    parts = being_written(f"{path}.{os.getpid()}.parts.tmp")
+    os.makedirs(parts)
+    try:
         state = {}
         for name, value in weights:
             if isinstance(value, torch.Tensor):
-                part = os.path.join(scratch, f"{len(state)}.pt")
+                part = os.path.join(parts, f"{len(state)}.pt")
                 torch.save(value.cpu(), part)
                 value = torch.load(part, mmap=True, weights_only=True)
             state[name] = value
         with replacing(path) as tmp:
             torch.save(state, tmp)
+    finally:
+        remove(parts)
+        UNFINISHED.discard(parts)
     gpt = unwrap(stage)
     model = GPT(gpt.config, gpt.vocab, gpt.text)
     model.load_state_dict(torch.load(path, mmap=True, weights_only=True))

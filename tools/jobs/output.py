@@ -117,8 +117,9 @@ def slices(output):
 
 class Narrator:
     """An echo for Job.wait_for and Job.wait: a running job's lines as a learner wants to follow them. The steps' own
-    lines as they are, torchrun's log records as `torchrun: <message>`, and the traceback of a worker whose peer
-    vanished mid-collective counted instead of shown."""
+    lines as they are (a worker whose peer vanished mid-collective says so in one of them), torchrun's log records as
+    `torchrun: <message>`, and what torch prefixes with a rank (an error of no known cause's traceback, a library's
+    log record) counted instead of shown."""
 
     def __init__(self, indent="   "):
         self.indent, self.hidden = indent, 0
@@ -128,7 +129,7 @@ class Narrator:
             self.hidden += 1
             return
         if self.hidden:
-            print(f"{self.indent}({self.hidden} lines of a surviving worker's traceback: its peer is gone)")
+            print(f"{self.indent}({self.hidden} lines a worker's torch printed, prefixed with its rank)")
             self.hidden = 0
         notice = re.match(r"[WEI]\d{4} [\d:.]+ \d+ \S+\] (.*)", line)  # torchrun's log records
         if notice:
