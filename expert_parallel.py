@@ -25,7 +25,8 @@ from utils import require_written_by
 from utils import require_same_arguments, require_same_start
 from utils import exists_on_any_rank, mesh_with_timeout, non_negative_number
 from utils.moe import balance_loss, describe, moe_layers, require_ep_fits, routing_stats, split_experts, whole_grad_norm
-from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu, rng_state, set_rng_state
+from utils.loop import WarmupCosine, add_gpt_arguments, check_options, every_rank_rng_state, generate, mfu
+from utils.loop import set_rng_state
 
 # The optimizer's state saved weight by weight, under the weights' names (block0.mlp.experts.3.fc.weight's): the ranks
 # hold different experts, whose lists would collide in the one snapshot of the model.
@@ -157,8 +158,7 @@ class Trainer:
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                rng_states = [None] * dist.get_world_size()
-                dist.all_gather_object(rng_states, rng_state())  # every rank's dropout generators
+                rng_states = every_rank_rng_state()  # every rank's dropout generators, as bytes: no pickle
                 self._save_snapshot(epoch, rng_states)  # sharded: every rank writes its part
                 dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
 

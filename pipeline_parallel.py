@@ -25,7 +25,8 @@ from utils import require_written_by
 from utils import require_same_arguments, require_same_start
 from utils import exists_on_any_rank, mesh_with_timeout
 from utils.pipeline import reassembled, require_a_batch, require_pipeline_fits, stage_io
-from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu, rng_state, set_rng_state
+from utils.loop import WarmupCosine, add_gpt_arguments, check_options, every_rank_rng_state, generate, mfu
+from utils.loop import set_rng_state
 
 # The optimizer's state saved weight by weight, under the weights' names, its settings too (block3.mlp.fc.weight's
 # lr): the stages' optimizers hold different weights, whose lists would collide in the one snapshot of the model.
@@ -153,8 +154,7 @@ class Trainer:
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                rng_states = [None] * dist.get_world_size()
-                dist.all_gather_object(rng_states, rng_state())  # every rank's dropout generators
+                rng_states = every_rank_rng_state()  # every rank's dropout generators, as bytes: no pickle
                 self._save_snapshot(epoch, rng_states)  # sharded: every rank writes its part
                 dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
 

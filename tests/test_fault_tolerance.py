@@ -2,6 +2,7 @@
 workers resume from the snapshot, and the job ends bitwise identical to one that was never interrupted. A job that
 fails more often than --max_restarts allows stops with a clear message and leaves its last snapshot usable; a snapshot
 that cannot be resumed from stops the job with one line and stays where it is."""
+import contextlib
 import os
 import re
 
@@ -289,3 +290,78 @@ def test_an_unreadable_sharded_snapshot_stops_with_one_line_that_says_what_is_wr
                                "anew")
     assert capfd.readouterr() == ("", "")
     assert sorted((file.name, file.read_bytes()) for file in ([path] if path.is_file() else path.iterdir())) == before
+
+
+class Planted:
+    """What someone else's snapshot may hold instead of data: unpickled, it calls builtins.exec, which creates the file
+    `marker` (any other code would run the same way)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def plant_in_metadata(path, marker):
+    """A sharded snapshot whose .metadata is a pickle that runs code as it is read."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"MODEL_STATE": {"w": torch.zeros(2)}, "STEP": "expert_parallel.py"}, checkpoint_id=path)
+    (path / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+
+
+def plant_in_a_value(path, marker):
+    """A sharded snapshot whose STEP, a value DCP keeps as a pickle, runs code as it is read."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"MODEL_STATE": {"w": torch.zeros(2)}, "STEP": Planted(marker)}, checkpoint_id=path)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP notes that it runs in one process
+@pytest.mark.parametrize("plant, where, called", [(plant_in_metadata, ".metadata", "builtins.exec"),
+                                                  (plant_in_a_value, "STEP", "exec")],
+                         ids=["in .metadata", "in a value"])
+def test_code_planted_in_a_sharded_snapshot_runs_in_torch_and_the_steps_refuse_it_before(tmp_path, plant, where,
+                                                                                         called):
+    """torch 2.14.1's DCP reads a snapshot's .metadata with pickle and its values that are no tensors with
+    torch.load(weights_only=False): a folder from someone else runs its code in every rank that loads it (the first
+    half, which shows it). The steps check the folder before DCP reads it (require_written_by, in this process):
+    one line that names what it would call, the code never run, the folder left as it was."""
+    import torch.distributed.checkpoint as dcp
+
+    from utils import require_written_by, stop_if_unloadable
+
+    path, marker = tmp_path / "ep_snapshot", tmp_path / "the planted code ran"
+    plant(path, marker)
+    with contextlib.suppress(BaseException):  # DCP's own error, once the code has run (a CheckpointException)
+        dcp.load({"MODEL_STATE": {"w": torch.zeros(2)}, "STEP": ""}, checkpoint_id=path)
+    assert marker.exists(), "torch reads the planted code and runs it"
+    marker.unlink()
+    before = sorted((file.name, file.read_bytes()) for file in path.iterdir())
+    with pytest.raises(SystemExit) as stop, stop_if_unloadable(str(path)):
+        require_written_by("expert_parallel.py", str(path))
+    assert str(stop.value) == (f"error: cannot resume from {path} (its {where} would call {called} as it is read: "
+                               "a snapshot holds tensors, numbers and text, and this one holds code); it is left in "
+                               "place: move it away to start anew")
+    assert not marker.exists(), "the steps never ran it"
+    assert sorted((file.name, file.read_bytes()) for file in path.iterdir()) == before
+
+
+@pytest.mark.parametrize("step", SINGLE_FILE_STEPS)
+def test_code_planted_in_a_single_file_snapshot_is_refused_with_one_line_and_never_runs(tmp_path, monkeypatch, text,
+                                                                                      step):
+    """Every single-file step reads its snapshot with torch.load(weights_only=True): a pickle that names code (here in
+    place of the model's state) stops the step with one line that says so, and the code never runs."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    path, marker = tmp_path / "snapshot.pt", tmp_path / "the planted code ran"
+    trainer = loading_trainer(step, path, text)
+    torch.save(dict(written_by(step, trainer), MODEL_STATE=Planted(marker)), path)
+    with pytest.raises(SystemExit) as stop:
+        trainer._load_snapshot()
+    assert str(stop.value) == (f"error: cannot resume from {path} (UnpicklingError: not a file of tensors torch.load "
+                               "can read safely (Unsupported global: GLOBAL exec)); it is left in place: move it away "
+                               "to start anew"), stop.value
+    assert not marker.exists(), "the planted code ran"

@@ -357,3 +357,20 @@ def test_nodes_that_see_different_snapshots_refuse_to_train(tmp_path, torchrun_j
     assert not job.samples, "no rank trained"
     assert (disks[0] / "snapshot.pt").read_bytes() == before and not (disks[1] / "snapshot.pt").exists()
 
+
+
+@pytest.mark.slow
+def test_no_step_sends_a_pickle_of_its_own_only_torchs_checkpoint_does(demo_run):
+    """An object collective pickles what it sends, and a process that joined the job's process group could make
+    every rank run code by sending one (docs/multinode.md's trust boundary). No step calls one of its own: the
+    random states, the arguments and the --verbose tables go as bytes (utils/collectives.py), the whole model as
+    tensors. What calls them is torch's own code: DCP exchanges its plans so, in the steps that save sharded
+    snapshots, and the steps cannot change that (recorded, with each call's caller)."""
+    from tools.jobs import REPO
+
+    called = {script: job.records("objects.jsonl") for script, job in demo_run["jobs"].items()}
+    ours = {script: rows for script, rows in called.items()
+            if any(row["caller"][0].startswith(str(REPO)) and "site-packages" not in row["caller"][0] for row in rows)}
+    assert ours == {}, ours
+    assert {row["caller"][0].split("site-packages/")[-1].split("/")[2] for rows in called.values() for row in rows} \
+        <= {"checkpoint"}, called

@@ -3,7 +3,9 @@ clean exit."""
 import argparse
 import contextlib
 import glob
+import io
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
+from utils.collectives import gathered_json
 from utils.gpt import size_of
 
 
@@ -126,8 +129,11 @@ def reason(error):
     message = lines[0]
     if message.startswith("Weights only load failed"):
         # torch.load's long advice to load with weights_only=False is wrong here: a snapshot is tensors and plain
-        # containers. The line that says what it found is the one to show.
-        found = [line.strip() for line in lines[1:] if line.strip() and not line.startswith(("Please", "Check"))]
+        # containers, and a file that names code must not be loaded. What it found is the part to show.
+        said = re.search(r"WeightsUnpickler error: ([^\n]+)", str(error))
+        found = [said[1]] if said else [line.strip() for line in lines[1:]
+                                         if line.strip() and not re.match(r"\s*(?:Please|Check|\(\d\))", line)]
+        found = [part.split(" was not an allowed global")[0].split(". Please use")[0] for part in found]
         message = "not a file of tensors torch.load can read safely" + (f" ({found[0]})" if found else "")
     elif message.startswith("Error(s) in loading state_dict for") and len(lines) > 1:
         message = f"it holds another model than this {message.split()[-1].rstrip(':')}: " + _state_dict_mismatch(lines[1:])
@@ -357,21 +363,72 @@ class UnusableSnapshot(Exception):
 
 def require_a_checkpoint(path):
     """Stop with UnusableSnapshot, saying in words what is wrong, unless `path` is a folder that a sharded save
-    (torch.distributed.checkpoint) finished: a folder, holding the .metadata such a save writes last, which can be
-    read. Without this check DCP meets a file, an empty folder or a garbled .metadata with a traceback per rank and
-    attempt, then fails on a bare `metadata is None`. Reads .metadata as DCP reads it (FileSystemReader.read_metadata,
-    a pickle): a folder from someone else is as trusted as DCP makes it, no more and no less."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+    (torch.distributed.checkpoint) finished, and that holds data only: a folder, holding the .metadata such a save
+    writes last, which reads as DCP's records and nothing else, and whose values that are no tensors (the step, the
+    epochs, the schedule's state) are numbers and text. Without this check DCP meets a file, an empty folder or a
+    garbled .metadata with a traceback per rank and attempt, then fails on a bare `metadata is None`; and it reads
+    .metadata with pickle and those values with torch.load(weights_only=False), either of which runs whatever code the
+    bytes name: a folder from someone else could make every rank run its code (docs/fault-tolerance.md, "A snapshot
+    is trusted input"). The values are read here as DCP will read them, so what passes holds nothing else."""
     if not os.path.isdir(path):
         raise UnusableSnapshot(f"it is a file, not the folder of a sharded snapshot{_single_file_step(path)}")
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise UnusableSnapshot("the folder holds no .metadata, the file a sharded save writes last: it is not a "
                                "snapshot, or its save was cut short")
     try:
-        FileSystemReader(path).read_metadata()
+        with open(os.path.join(path, ".metadata"), "rb") as file:
+            metadata = _RecordsOnly(file).load()
+    except CodeInSnapshot as code:
+        raise UnusableSnapshot(f"its .metadata would call {code} as it is read: a snapshot holds tensors, numbers "
+                               "and text, and this one holds code") from None
     except Exception as error:
         raise UnusableSnapshot(f"its .metadata is not a sharded snapshot's ({reason(error)})") from None
+    _require_plain_values(path, metadata)
+
+
+class CodeInSnapshot(Exception):
+    """A global that a snapshot's pickle names and that no snapshot of the steps holds: `module.name`."""
+
+
+class _RecordsOnly(pickle.Unpickler):
+    """An unpickler of DCP's .metadata that builds DCP's own records (its dataclasses, torch.Size, dtypes, a path) and
+    refuses any other global with CodeInSnapshot: a pickle calls what it names, whatever that is."""
+
+    ALLOWED = {("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+        ("collections", "OrderedDict")}
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                torch.dtype)):
+            return super().find_class(module, name)
+        raise CodeInSnapshot(f"{module}.{name}")
+
+
+def _require_plain_values(path, metadata):
+    """Stop with UnusableSnapshot unless every value of the sharded snapshot at `path` that is no tensor (DCP keeps
+    each as a pickle, read back with torch.load(weights_only=False)) reads with torch.load(weights_only=True)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    for name, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, BytesStorageMetadata):
+            continue
+        where = metadata.storage_data[MetadataIndex(name)]
+        if getattr(where, "transform_descriptors", None):
+            raise UnusableSnapshot(f"its {name} is stored transformed ({where.transform_descriptors}), which the "
+                                   "steps never write")
+        with open(os.path.join(path, where.relative_path), "rb") as file:
+            file.seek(where.offset)
+            data = file.read(where.length)
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError as error:
+            named = re.search(r"GLOBAL (\S+)", str(error))
+            raise UnusableSnapshot(f"its {name} would call {named[1] if named else 'code'} as it is read: a snapshot "
+                                   "holds tensors, numbers and text, and this one holds code") from None
 
 
 def _single_file_step(path):
@@ -439,9 +496,8 @@ def require_same_arguments(args, ignore=("snapshot_path",)):
     (TOTAL_EPOCHS, SAVE_EVERY, the batch size, the workload...): their collectives would not match, and the job would
     crash with a gloo abort or wait out --timeout. A collective: call it on every rank, right after the process group
     forms. The snapshot path may differ (nodes can mount shared storage at different places)."""
-    mine = {name: value for name, value in vars(args).items() if name not in ignore}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    # As JSON in tensors, not pickled objects: a process that joined the group could make a pickle run its code.
+    everyone = gathered_json({name: value for name, value in vars(args).items() if name not in ignore})
     for rank, theirs in enumerate(everyone[1:], start=1):  # every rank compares the same pairs: all say the same
         different = [name for name in everyone[0] if theirs.get(name) != everyone[0][name]]
         if different:

@@ -5,6 +5,7 @@ saves, the model-FLOPs utilisation of a GPU, the GPT's options, and the checks o
     WarmupCosine(total_steps)                   the learning-rate factor per optimizer step, for LambdaLR
     generate(model, prompt, new_tokens, seed)   a short sample, decoded to text: what the model has learned
     rng_state(), set_rng_state(states, rank)    this process's random state (dropout), saved and put back
+    every_rank_rng_state()                      every rank's rng_state(), gathered for a snapshot
     mfu(model, tokens_per_s, device)            model-FLOPs utilisation of a GPU (None on a CPU)
     compiler_missing()                          why torch.compile cannot build kernels here (None: it can)
     add_gpt_arguments(parser)                   --text, --dropout and --peak_tflops
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from utils.collectives import gathered_bytes
 from utils.gpt import DROPOUT_VARIABLE, decode, encode, flops_per_token, load_text, size_of, text_needed, unwrap
 from utils.helpers import positive_number, probability, require_dense_gpt
 
@@ -184,6 +186,16 @@ def rng_state():
     """This process's random-number state: (CPU generator's, the current GPU's or None). Dropout draws from the CPU
     generator on a CPU and from the GPU's on a GPU; a snapshot that holds every rank's resumes the same masks."""
     return torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+
+def every_rank_rng_state():
+    """rng_state() of every rank, in rank order, gathered as bytes (utils.collectives: no pickle crosses the wire):
+    the list a snapshot saves. A collective: call it on every rank."""
+    cpu, cuda = rng_state()
+    cpus = gathered_bytes(cpu.numpy().tobytes())
+    cudas = gathered_bytes(b"" if cuda is None else cuda.numpy().tobytes())
+    return [(torch.frombuffer(bytearray(cpu), dtype=torch.uint8),
+             torch.frombuffer(bytearray(cuda), dtype=torch.uint8) if cuda else None) for cpu, cuda in zip(cpus, cudas)]
 
 
 def set_rng_state(states, rank):

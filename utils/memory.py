@@ -14,6 +14,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from utils.collectives import gathered_json
+
 MiB = 2**20
 COLUMNS = ["rank", "local", "host", "device", "now MiB", "peak MiB", "params MiB", "grads MiB", "optim MiB",
            "state MiB"]
@@ -101,8 +103,7 @@ def log_memory(stage, model, optimizer, device, verbose=True):
     now, peak = device_memory(device)
     row = dict(rank=dist.get_rank(), local_rank=int(os.environ.get("LOCAL_RANK", 0)), host=socket.gethostname(),
                device=str(device), now=now, peak=peak, **state_bytes(model, optimizer))
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, row)
+    rows = gathered_json(row)  # numbers and names as JSON in tensors (utils.collectives): no pickle on the wire
     if dist.get_rank() == 0:
         print(format_table(stage, rows), flush=True)
 
@@ -133,8 +134,7 @@ def log_slices(module, verbose=True):
     mesh = next(param.device_mesh for param in module.parameters()  # the 2-D mesh of a split matrix
                 if "tp" in (getattr(param, "device_mesh", None) and param.device_mesh.mesh_dim_names or ()))
     mine = dict(rank=dist.get_rank(), **dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())), rows=slice_rows(module))
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = gathered_json(mine)  # as JSON in tensors (utils.collectives): no pickle on the wire
     if dist.get_rank() == 0:
         print(format_slices(everyone), flush=True)
 

@@ -23,7 +23,8 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_written_by
 from utils import require_same_arguments, require_same_start
-from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu, rng_state, set_rng_state
+from utils.loop import WarmupCosine, add_gpt_arguments, check_options, every_rank_rng_state, generate, mfu
+from utils.loop import set_rng_state
 
 
 def ddp_setup(timeout_s):
@@ -130,8 +131,7 @@ class Trainer:
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                rng_states = [None] * dist.get_world_size()
-                dist.all_gather_object(rng_states, rng_state())  # every rank's dropout generators
+                rng_states = every_rank_rng_state()  # every rank's dropout generators, as bytes: no pickle
                 if self.global_rank == 0:  # one writer in the whole job, not one per node
                     self._save_snapshot(epoch, rng_states)
                 dist.barrier()  # no rank runs ahead of a snapshot not on disk yet

@@ -81,3 +81,26 @@ def kill_tree(pid, sig=signal.SIGKILL):
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)
         os.killpg(pid, signal.SIGCONT)  # a stopped process acts on a SIGTERM only once it runs again
+
+
+def listening(pid):
+    """{(address, port)} of the TCP sockets the process `pid` listens on, from /proc: "0.0.0.0" or "::" for every
+    interface, "127.0.0.1" or "::1" for loopback alone."""
+    import ipaddress
+
+    try:
+        inodes = {os.readlink(link)[8:-1] for link in Path(f"/proc/{pid}/fd").iterdir()
+                  if os.readlink(link).startswith("socket:[")}
+    except OSError:  # it exited while we looked
+        return set()
+    found = set()
+    for table, size in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            address, port = fields[1].split(":")
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                raw = bytes.fromhex(address)
+                # /proc writes each 32-bit word of the address in the host's byte order (little-endian here)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, size, 4))
+                found.add((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return found

@@ -46,6 +46,9 @@ changed; without the variables nothing happens.
     restart, `began`, and a pass's epoch), written before the work: a save or a pass that a kill cuts short shows.
   - exits.jsonl: a JSON line per process that trained and exits without an error (at its end, or by os._exit(0)):
     pid, its last rank, restart, and `open`: its default process group was still initialized (never destroyed).
+  - objects.jsonl: a JSON line per call of an object collective (all_gather_object, broadcast_object_list...), whose
+    pickles a process that joined the group could make run code: pid, rank, restart, `collective`, and `caller`, the
+    file and line that called it (the steps' own code, or torch's: DCP exchanges its plans so).
   - pipeline.jsonl: a JSON line per micro-batch pass of a torch.distributed.pipelining stage (the schedule as it ran,
     not as it was planned): pid, rank, restart, `stage`, `step` (the schedule's step in this process, from 0),
     `pass` ("forward" or "backward"), `microbatch`, `began` and `ended` (time.time()), and for a forward `saved`, the
@@ -340,6 +343,20 @@ if RECORD_DIR or KILL_AT:
         for _name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # FSDP's, in torch 2.6 and 2.14
             if hasattr(torch.distributed, _name):
                 setattr(torch.distributed, _name, _noting_reduce_scatter(getattr(torch.distributed, _name)))
+
+        def _noting_object_collective(name, collective):
+            def noting(*args, **kwargs):
+                import traceback
+
+                caller = traceback.extract_stack()[-2]
+                _append("objects.jsonl", json.dumps(dict(pid=os.getpid(), rank=_rank(), restart=_restart(),
+                                                         collective=name, caller=[caller.filename, caller.lineno])))
+                return collective(*args, **kwargs)
+            return noting
+
+        for _name in ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                      "send_object_list", "recv_object_list"):
+            setattr(torch.distributed, _name, _noting_object_collective(_name, getattr(torch.distributed, _name)))
         torch.nn.functional.dropout = _noting_dropout
         torch.nn.functional.scaled_dot_product_attention = _noting_attention
         DistributedDataParallel.forward = _noting_ddp_forward
