@@ -5,7 +5,8 @@
     python tools/plot_metrics.py runs/try1 -o loss.png
 
 The loss is each rank's own mean over its share of the data (not the all-reduced one the scripts print), so
-the lines differ a little from rank to rank; throughput is samples per second per epoch. plot_speedups() draws the
+the lines differ a little from rank to rank; throughput is samples per second per epoch (the long run, step 12:
+tokens per second per --log_every window), drawn at the optimizer step each ends at. plot_speedups() draws the
 scaling benchmarks' speed-up curves.
 """
 import argparse
@@ -34,20 +35,24 @@ def plot(runs, out_path, title):
     from matplotlib.ticker import MaxNLocator
 
     figure, (loss_axes, speed_axes) = plt.subplots(1, 2, figsize=(11, 4))
+    # x: the optimizer steps taken at the end of each record (an epoch; in the long run, a --log_every window).
+    unit = next(iter(runs.values()))[0].get("unit", "samples")
     for rank, records in runs.items():
-        loss_axes.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", label=f"rank {rank}")
-        speed_axes.plot([r["epoch"] for r in records], [r["samples_per_s"] for r in records], marker=".",
+        counted = [r for r in records if r["samples"]]  # a rank that computes no loss (a pipeline's first stage)
+        if counted:
+            loss_axes.plot([r["step"] for r in counted], [r["loss"] for r in counted], marker=".", label=f"rank {rank}")
+        speed_axes.plot([r["step"] for r in records], [r["samples_per_s"] for r in records], marker=".",
                         label=f"rank {rank}")
-    if len(runs) > 1:  # the job's throughput: every rank's samples per epoch, at the pace of the slowest
-        by_epoch = {}
+    if len(runs) > 1:  # the job's throughput: every rank's samples of an epoch (a window), at the slowest's pace
+        by_step = {}
         for records in runs.values():
             for r in records:
-                by_epoch.setdefault(r["epoch"], []).append(r)
-        epochs = sorted(e for e, rs in by_epoch.items() if len(rs) == len(runs))
-        total = [sum(r["samples"] for r in by_epoch[e]) / max(r["seconds"] for r in by_epoch[e]) for e in epochs]
-        speed_axes.plot(epochs, total, marker="o", color="black", label="all ranks")
+                by_step.setdefault(r["step"], []).append(r)
+        steps = sorted(step for step, rs in by_step.items() if len(rs) == len(runs))
+        total = [sum(r["samples"] for r in by_step[s]) / max(r["seconds"] for r in by_step[s]) for s in steps]
+        speed_axes.plot(steps, total, marker="o", color="black", label="all ranks")
     loss_axes.set(xlabel="optimizer step", ylabel="training loss (this rank's mean)", title="loss per rank")
-    speed_axes.set(xlabel="epoch", ylabel="samples/s", title="throughput per epoch")
+    speed_axes.set(xlabel="optimizer step", ylabel=f"{unit}/s", title="throughput")
     speed_axes.set_ylim(bottom=0)
     speed_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     for axes in (loss_axes, speed_axes):
@@ -95,7 +100,9 @@ def main():
         sys.exit(f"error: no rank*.jsonl metrics in {args.run_dir} (was TUTORIAL_RUN_DIR set when training?)")
     out_path = args.out or os.path.join(args.run_dir, "metrics.png")
     plot(runs, out_path, f"{args.run_dir}: {len(runs)} rank(s)")
-    print(f"wrote {out_path} ({len(runs)} ranks, {max(len(r) for r in runs.values())} epochs)")
+    # A record is an epoch's, or in the long run (step 12, which counts tokens) a --log_every window's.
+    records = "windows" if next(iter(runs.values()))[0].get("unit") == "tokens" else "epochs"
+    print(f"wrote {out_path} ({len(runs)} ranks, {max(len(r) for r in runs.values())} {records})")
 
 
 if __name__ == "__main__":

@@ -277,6 +277,31 @@ def replacing(path, tmp=None, rename=True):
         os.replace(tmp, path)
 
 
+def step_snapshot(folder, steps):
+    """The path of a long run's snapshot after `steps` optimizer steps, in its --snapshot_path `folder`."""
+    return os.path.join(folder, f"step-{steps:08d}")
+
+
+def whole_snapshots(folder):
+    """The paths of the whole snapshots of a long run's folder (`step-<steps>`, renamed so once whole), oldest first."""
+    names = os.listdir(folder) if os.path.isdir(folder) else ()
+    return [os.path.join(folder, name) for name in sorted(names) if name.startswith("step-") and "." not in name]
+
+
+def latest_snapshot(folder):
+    """The last whole snapshot of a long run's folder (the one of the most steps), or a path that does not exist."""
+    return (whole_snapshots(folder) or [os.path.join(folder, "none")])[-1]
+
+
+def snapshot_folder(path):
+    """argparse type for a long run's --snapshot_path, a folder of snapshots (`step-<steps>`): where writable_path
+    allows a snapshot, with what saves cut short left in it removed (`step-<steps>.<run id>.tmp`)."""
+    writable_path(path)
+    for leftover in glob.glob(os.path.join(glob.escape(path), "*.tmp")):
+        remove(leftover)
+    return path
+
+
 def remove(path):
     """Remove a file or a directory tree, if it is there."""
     if os.path.isdir(path) and not os.path.islink(path):
@@ -313,14 +338,14 @@ def exists_on_any_rank(path, device):
     return bool(found)
 
 
-def require_same_start(epochs_run, device):
-    """Stop every rank with one line unless all of them resume from the same epoch. Each node reads the snapshot
-    from its own disk: if the nodes do not share that storage, one resumes while another starts over, and their
-    collectives stop matching. A collective: call it on every rank once the snapshot is loaded (or not)."""
+def require_same_start(epochs_run, device, unit="epochs"):
+    """Stop every rank with one line unless all of them resume from the same epoch (or step: unit="steps"). Each node
+    reads the snapshot from its own disk: if the nodes do not share that storage, one resumes while another starts
+    over, and their collectives stop matching. A collective: call it on every rank once the snapshot is loaded (or not)."""
     seen = torch.tensor([epochs_run, -epochs_run], device=device)
     dist.all_reduce(seen, op=dist.ReduceOp.MAX)
     if seen[0] != -seen[1]:
-        raise SystemExit(f"error: ranks resume from different epochs ({-int(seen[1])} to {int(seen[0])}): put "
+        raise SystemExit(f"error: ranks resume from different {unit} ({-int(seen[1])} to {int(seen[0])}): put "
                          "--snapshot_path on storage that every node shares")
 
 
@@ -453,11 +478,13 @@ def require_written_by(step, path, snapshot=None):
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
         require_a_checkpoint(path)
-        snapshot = dict(STEP="", EPOCHS_RUN=0)
+        snapshot = dict(STEP="", EPOCHS_RUN=0, STEPS_RUN=-1)
         dcp.load(snapshot, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))  # missing: kept
     saved, epochs_run = snapshot.get("STEP", ""), snapshot.get("EPOCHS_RUN", 0)
     if saved != step:
-        epochs = f"{epochs_run} epoch" + "s" * (epochs_run != 1)
+        # The long run (step 12) counts optimizer steps; every other step, epochs.
+        done, unit = (snapshot["STEPS_RUN"], "step") if snapshot.get("STEPS_RUN", -1) >= 0 else (epochs_run, "epoch")
+        epochs = f"{done} {unit}" + "s" * (done != 1)
         holds = f"{saved}'s snapshot" if saved else "a snapshot that names no step (an older one)"
         raise SystemExit(f"error: {path} holds {holds} after {epochs}, not {step}'s: give this run its own "
                          f"--snapshot_path, or move {path} away to start anew; it is left in place")
@@ -484,11 +511,12 @@ def load_seed_checkpoint(model, path):
                          "tools/seed_checkpoint.py, with the step's --workload and --text") from None
 
 
-def require_epochs_left(epochs_run, total_epochs, snapshot_path):
-    """Stop with one line when a snapshot already holds all the epochs asked for: a finished job run again."""
+def require_epochs_left(epochs_run, total_epochs, snapshot_path, unit="epochs"):
+    """Stop with one line when a snapshot already holds all the epochs asked for: a finished job run again (the long
+    run counts optimizer steps: unit="steps")."""
     if epochs_run >= total_epochs:
-        raise SystemExit(f"error: {snapshot_path} holds {epochs_run} epochs already, and TOTAL_EPOCHS is "
-                         f"{total_epochs}: nothing to train. Ask for more epochs, or move it away to start anew")
+        raise SystemExit(f"error: {snapshot_path} holds {epochs_run} {unit} already, and TOTAL_{unit.upper()} is "
+                         f"{total_epochs}: nothing to train. Ask for more {unit}, or move it away to start anew")
 
 
 def require_same_arguments(args, ignore=("snapshot_path",)):

@@ -143,10 +143,11 @@ def compiler_missing():
     return None
 
 
-def add_gpt_arguments(parser):
-    """The GPT steps' options that are not part of their lesson: the text the GPT learns, its dropout, the GPU's
-    peak for the MFU."""
-    parser.add_argument("--text", help="A UTF-8 text file to learn (default: Python's help pages)")
+def add_gpt_arguments(parser, text=True):
+    """The GPT steps' options that are not part of their lesson: the text the GPT learns (unless `text` is False: a
+    step that reads token files), its dropout, the GPU's peak for the MFU."""
+    if text:
+        parser.add_argument("--text", help="A UTF-8 text file to learn (default: Python's help pages)")
     parser.add_argument("--dropout", type=probability, help="Instead of the model's dropout (0: exact comparisons)")
     parser.add_argument("--peak_tflops", type=positive_number, help="The GPU's peak bf16 TFLOP/s, for the MFU")
 
@@ -160,7 +161,8 @@ def check_options(args):
     UTF-8 text or too short for the context (a step's --context, else the size's). The text is read here once more,
     before the process group forms: a step that stopped after it would leave gloo's threads to Python's teardown."""
     require_dense_gpt(args)
-    load_text(args.text, text_needed(getattr(args, "context", None) or size_of(args.workload).context))
+    if hasattr(args, "text"):
+        load_text(args.text, text_needed(getattr(args, "context", None) or size_of(args.workload).context))
     if args.precision == "fp16" and not torch.cuda.is_available():
         raise SystemExit("error: --precision fp16 needs a CUDA GPU (its gradient scaler is for GPUs); on a CPU use "
                          "--precision bf16")

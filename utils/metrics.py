@@ -24,18 +24,20 @@ def rank_file(directory, rank):
     return os.path.join(directory, f"rank{rank}.jsonl")
 
 
-def log_rank_metrics(epoch, steps_per_epoch, totals, start, **more):
+def log_rank_metrics(epoch, steps_per_epoch, totals, start, step=None, **more):
     """Append this rank's epoch to <run dir>/rank<R>.jsonl: call it with the rank's own [summed loss, samples]
     totals, before they are all-reduced, and the perf_counter() the epoch started at; `more`: what else a step records
     (expert_parallel.py: the tokens each expert got). Once per epoch: its one host sync (reading `totals`) costs
-    nothing next to an epoch, and training steps never wait for it."""
+    nothing next to an epoch, and training steps never wait for it. The long run (step 12) records a window of
+    steps instead: no epoch, the `step` it ends at, and tokens for samples (unit="tokens")."""
     directory = run_dir()
     if directory is None:
         return
     summed_loss, samples = totals.tolist()  # waits for the device: the clock below covers the epoch's work
     seconds = time.perf_counter() - start
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    record = dict(rank=rank, world_size=world_size, epoch=epoch, step=(epoch + 1) * steps_per_epoch,
+    step = (epoch + 1) * steps_per_epoch if step is None else step  # the optimizer steps taken at its end
+    record = dict(rank=rank, world_size=world_size, epoch=epoch, step=step,
                   loss=summed_loss / max(samples, 1), samples=int(samples), seconds=seconds,
                   samples_per_s=samples / seconds, time=time.time(), **more)
     os.makedirs(directory, exist_ok=True)

@@ -8,7 +8,8 @@ cut into stages, the stage, the schedule and the micro-batches stay in the steps
     stage_io(model, micro_batch, stage, stages) what a stage receives and sends per micro-batch (their shapes)
     whole_weights(stage, to)                    the whole GPT's weights one at a time, from every rank's stages
     reassembled(stage)                          the whole GPT again on every rank (step 8)
-    exported(stage, path)                       the whole GPT written to one file from rank 0, weight by weight (step 11)
+    exported(stage, path)                       the whole GPT written to one file from rank 0, weight by weight
+    held_out_loss(schedule, stages, mesh, batches)  the mean held-out loss through the pipeline on every rank (step 12)
 """
 import logging
 import os
@@ -85,8 +86,13 @@ def require_mesh_fits(args, world_size):
         raise SystemExit(f"error: --tp {tp} must divide the attention heads ({config.n_head}) and the context "
                          f"({config.context}): each tp rank computes heads/tp heads, and holds context/tp positions "
                          "between the blocks")
-    if args.batch_size % M or M % pp:
-        raise SystemExit(f"error: --microbatches {M} must divide --batch_size {args.batch_size} and be a multiple of "
+    if hasattr(args, "global_batch") and args.global_batch % (world_size // (pp * tp) * M):
+        dp = world_size // (pp * tp)
+        raise SystemExit(f"error: --global_batch {args.global_batch} must split into the {dp} dp ranks' shares of "
+                         f"--microbatches {M} micro-batches of one size: a multiple of {dp} x {M} = {dp * M}")
+    batch_size = getattr(args, "batch_size", None) or args.global_batch // (world_size // (pp * tp))
+    if batch_size % M or M % pp:
+        raise SystemExit(f"error: --microbatches {M} must divide --batch_size {batch_size} and be a multiple of "
                          f"--pp {pp}: the micro-batches have one size, and go through the pipeline in rounds of pp")
     if gloo and version < (2, 10):
         raise SystemExit(f"error: torch {torch.__version__} cannot train this on CPU processes (its FSDP sums the "
@@ -216,3 +222,34 @@ def exported(stage, path):
     model = GPT(gpt.config, gpt.vocab, gpt.text)
     model.load_state_dict(torch.load(path, mmap=True, weights_only=True))
     return model.to(next(stage.parameters()).device)
+
+
+def held_out_loss(schedule, stages, mesh, batches):
+    """The mean loss over every token that counts in the held-out `batches` (this dp rank's (inputs, targets, _) share
+    of each), run through the pipeline `schedule` in eval mode by every rank of the mesh (pp, dp, tp) in step; the
+    schedule's loss must be each micro-batch's summed (utils.data.token_loss). The last stages' sums and counts are
+    added over the ranks (a tp group's once): the mean over every token, the same number on any layout. The schedule
+    runs its backwards too, whose gradients are set to None after: torch 2.14's forward-only eval() fails where a rank
+    holds two neighbouring stages (--pp 1: "can't steal_bwd_input if this stage doesn't have backward"), and older
+    versions have none."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from utils.data import IGNORE
+
+    models = [stage.submod for stage in stages]
+    device, last = stages[0].device, stages[-1].is_last
+    totals = torch.zeros(2, device=device)  # [summed loss, tokens that count], of this rank's last-stage shares
+    for model in models:
+        model.eval()
+    for source, targets, _ in batches:
+        inputs, losses = [source.to(device)] if stages[0].is_first else [], []
+        with loss_parallel():
+            schedule.step(*inputs, target=targets.to(device) if last else None, losses=losses)
+        if losses and mesh["tp"].get_local_rank() == 0:  # the tp ranks of a stage hold the same loss
+            totals += torch.stack([sum(loss.full_tensor() for loss in losses).detach(),
+                                   (targets != IGNORE).sum().to(totals)])
+    for model in models:
+        model.train()
+        model.zero_grad(set_to_none=True)
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()

@@ -16,13 +16,14 @@ repository on PYTHONPATH (a learner's script elsewhere still imports `utils`). W
 load recorder/sitecustomize.py, which records each torch.save and the samples each rank trains on, epoch by epoch,
 and each pass of a pipeline stage (job.records("pipeline.jsonl"), read by tools/pipeline_timeline.py);
 record_steps=True adds every optimizer step (its learning rate, and the gradient all-reduces DDP ran for it); kill_at,
-skip_all_reduce and stall_init inject faults through it, and slow_save makes every save slower (its docstring
-says how).
+kill_at_step, skip_all_reduce and stall_init inject faults through it, and slow_save makes every save slower (its
+docstring says how).
 
 Shared runs: run(..., shared=True) in a test session (the suite sets $JOB_SHARED_DIR for it) runs a job that several
 tests and notebooks ask for once: the first to ask runs it in a folder of the session's, the others wait for it and
 get the same finished job (its folder is theirs to read, not to change). shared_file() gives such jobs their input
-files under a name that only their content decides. Outside a test session, run(..., shared=True) just runs the job.
+files under a name that only their content decides, shared_folder() a folder of them. Outside a test session,
+run(..., shared=True) just runs the job.
 """
 import fcntl
 import hashlib
@@ -101,7 +102,7 @@ def machine_summary():
 
 
 def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_reduce=None, stall_init=None,
-                record_steps=False, slow_save=None):
+                record_steps=False, slow_save=None, kill_at_step=None):
     """The environment of a job's processes (see the module's docstring); `extra` last (a value None removes a
     variable; a PYTHONPATH in it goes before the repository's)."""
     extra = dict(extra or {})
@@ -109,7 +110,7 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU jobs stay CPU jobs on a machine with GPUs
-    injected = kill_at or skip_all_reduce or stall_init is not None or slow_save
+    injected = kill_at or kill_at_step or skip_all_reduce or stall_init is not None or slow_save
     paths = [str(RECORDER)] if record_dir or injected else []
     paths += [str(extra.pop("PYTHONPATH", "")), str(REPO), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
@@ -119,6 +120,8 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
         env["JOB_RECORD_STEPS"] = "1"
     if kill_at:
         env["JOB_KILL_AT"] = ":".join(map(str, kill_at))
+    if kill_at_step:
+        env["JOB_KILL_AT_STEP"] = ":".join(map(str, kill_at_step))
     if slow_save:
         env["JOB_SLOW_SAVE"] = str(slow_save)
     if skip_all_reduce:
@@ -143,7 +146,8 @@ class Job:
     """
 
     def __init__(self, *commands, cwd, env=None, node_env=None, gpu=False, record=False, kill_at=None,
-                 skip_all_reduce=None, stall_init=None, slow_save=None, logs=None, record_steps=False):
+                 skip_all_reduce=None, stall_init=None, slow_save=None, logs=None, record_steps=False,
+                 kill_at_step=None):
         self.cwds = [Path(folder) for folder in (cwd if isinstance(cwd, (list, tuple)) else [cwd] * len(commands))]
         self.limit = None
         self.commands = [[str(part) for part in command] for command in commands]
@@ -151,7 +155,7 @@ class Job:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.recorded = record = record or record_steps
         env = environment(env, gpu, self.logs_dir if record else None, kill_at, skip_all_reduce, stall_init,
-                          record_steps, slow_save)
+                          record_steps, slow_save, kill_at_step)
         self.logs = [self.logs_dir / f"node{node}.log" for node in range(len(commands))]
         self.began, self.timeline, self.codes = time.monotonic(), [], None
         self._offsets, self._queue = [0] * len(commands), []
@@ -421,6 +425,19 @@ def shared_file(name, content):
         partial.write_text(content)
         os.replace(partial, path)
     return path
+
+
+def shared_folder(name, make):
+    """A folder that `make(path)` creates and fills, for jobs run with shared=True: in a test session, made once in
+    the session's shared folder under `name` (which must name all its content depends on), the other callers waiting
+    for it; outside one, in a temporary folder of this process."""
+    folder = Path(os.environ.get(SHARED_VARIABLE) or tempfile.mkdtemp(prefix="job-files-")) / "files"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / name).exists():
+            make(folder / name)
+    return folder / name
 
 
 def _shared_run(commands, timeout, options):

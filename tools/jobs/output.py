@@ -15,6 +15,14 @@ SAVED = re.compile(TAG + r" epoch (?P<epoch>\d+) \| (?P<kind>checkpoint|snapshot
 RESUMED = re.compile(TAG + r" resuming from epoch (?P<epoch>\d+), restart (?P<restart>\d+)")
 HELD_OUT = re.compile(TAG + r" held-out (?P<samples>\d+) samples \| loss (?P<loss>[\d.]+)"
                             r"(?: \| accuracy (?P<accuracy>[\d.]+))?")
+# The long run's lines (long_run.py, step 12): every --log_every steps, a held-out loss, a snapshot, a resume, a skip.
+STEP = re.compile(TAG + r" step (?P<step>\d+)/(?P<total>\d+) \| (?P<tokens>[\d,]+) tokens \| loss (?P<loss>[\d.]+) \| "
+                        r"(?P<rate>[\d,]+) tokens/s(?: \| MFU (?P<mfu>[\d.]+)%)? \| (?P<left>[\d.]+) min left")
+STEP_HELD_OUT = re.compile(TAG + r" step (?P<step>\d+) \| held-out loss (?P<loss>[\d.]+)")
+STEP_SAVED = re.compile(TAG + r" step (?P<step>\d+) \| snapshot saved to (?P<path>\S+)")
+STEP_RESUMED = re.compile(TAG + r" resuming from step (?P<step>\d+) at global batch (?P<batch>\d+), restart "
+                                r"(?P<restart>\d+)")
+SKIPPING = re.compile(r"skipping global batches (?P<first>\d+) to (?P<last>\d+) \(--skip (?P<begin>\d+):(?P<end>\d+)\)")
 # gpt.py's generated text: a header line, then the sample's lines, each indented by "  | "
 SAMPLE = re.compile(TAG + r" sample after (?P<steps>\d+) optimizer steps:\n(?P<text>(?:  \| .*(?:\n|$))*)")
 ERROR = re.compile(r"^error: .*$", re.M)  # the one line a step prints when it stops on bad input or a fault
@@ -30,6 +38,24 @@ LAUNCHER_NOISE = re.compile(r"^(?:\[?[WEI]\d{4} |\[rank\d+\]:|Traceback \(|frame
 def epoch_losses(output):
     """{epoch: loss} from the epoch lines (an epoch reported twice, before and after a restart: the last wins)."""
     return {int(match["epoch"]): float(match["loss"]) for match in EPOCH.finditer(output)}
+
+
+def step_lines(output):
+    """{step: {"loss", "tokens", "rate"}} from the long run's lines (a step reported twice, before and after a restart:
+    the last wins)."""
+    return {int(match["step"]): dict(loss=float(match["loss"]), tokens=int(match["tokens"].replace(",", "")),
+                                     rate=float(match["rate"].replace(",", ""))) for match in STEP.finditer(output)}
+
+
+def held_out_losses(output):
+    """[(step, loss), ...]: every held-out loss the long run printed, in order."""
+    return [(int(match["step"]), float(match["loss"])) for match in STEP_HELD_OUT.finditer(output)]
+
+
+def step_resumes(output):
+    """{restart: (step, global batch)}: where rank 0 of the long run resumed in each attempt that found a snapshot."""
+    return {int(match["restart"]): (int(match["step"]), int(match["batch"])) for match in STEP_RESUMED.finditer(output)
+            if match["rank"] in (None, "0")}
 
 
 def resumes(output):

@@ -59,8 +59,18 @@ changed; without the variables nothing happens.
   renamed into place), so a rank that does not wait for the snapshot to be on disk shows it. Each rank's writes of a
   torch.distributed.checkpoint save take that much longer too (in the thread of an asynchronous save): its folder is
   there, its metadata not yet.
+  - batches.jsonl, in a job of step 12 (long_run.py, whose DataLoader reads utils/data.py's Shares): a JSON line per
+    optimizer step of a process: pid, rank, restart, `mesh` (as in samples.jsonl), `step` (the process's optimizer
+    steps so far, this one included), `rows` (a digest of each sequence this rank trained on in the step, in order: its
+    inputs' and targets' bytes) and `counted` (the tokens that count in the whole global batch, as the rank read it).
+    Written just before the optimizer's step, from what the DataLoader handed the training process last: what was
+    trained on, not what a loader's worker read ahead.
 - JOB_KILL_AT=`RESTART:RANK:EPOCH`: that rank SIGKILLs itself as it begins that epoch in that attempt: a crash at a
   known point (the epoch counts passes over the DataLoader when the sampler has no set_epoch).
+- JOB_KILL_AT_STEP=`RESTART:RANK:STEP`: that rank SIGKILLs itself just before its optimizer step number STEP (from 1)
+  in that attempt: after the step's forwards and backwards, before any weight changes. (A step at a learning rate of
+  0 is not counted, here or in batches.jsonl: torch.distributed.checkpoint takes one to give an optimizer its state
+  before it loads a snapshot's.)
 - JOB_SKIP_ALL_REDUCE=`RANK:N`: the process of that global rank skips its N-th torch.distributed.all_reduce and
   sleeps instead, never arriving: the classic bug of a collective inside `if rank == 0:`, or a rank stuck in I/O.
 - JOB_STALL_INIT=`RANK`: the process of that global rank never reaches init_process_group (it sleeps instead): a
@@ -75,6 +85,7 @@ RECORD_DIR = os.environ.get("JOB_RECORD_DIR")
 RECORD_STEPS = RECORD_DIR and os.environ.get("JOB_RECORD_STEPS")
 SLOW_SAVE = float(os.environ.get("JOB_SLOW_SAVE") or 0)
 KILL_AT = os.environ.get("JOB_KILL_AT")
+KILL_AT_STEP = os.environ.get("JOB_KILL_AT_STEP")
 SKIP_ALL_REDUCE = os.environ.get("JOB_SKIP_ALL_REDUCE")
 STALL_INIT = os.environ.get("JOB_STALL_INIT")
 
@@ -461,6 +472,40 @@ if RECORD_DIR:
         moe_module.MoE._record = noting_record
 
     sys.meta_path.insert(0, _PatchOnImport("utils.moe", _record_routes))  # step 10's routers
+
+if RECORD_DIR or KILL_AT_STEP:
+    import hashlib
+    import signal
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.utils.data import dataloader
+
+    _taken, _read = [0], {}  # optimizer steps this process began; what the DataLoader handed it last (step 12's)
+    _next_item = dataloader._BaseDataLoaderIter.__next__
+
+    def _noting_next_item(self):
+        item = _next_item(self)
+        if RECORD_DIR and type(self._dataset).__name__ == "Shares":
+            inputs, targets, counted = item
+            _read.update(counted=int(counted), rows=[
+                hashlib.sha1(row_in.numpy().tobytes() + row_out.numpy().tobytes()).hexdigest()[:16]
+                for row_in, row_out in zip(inputs.cpu(), targets.cpu())])
+        return item
+
+    def _before_optimizer_step(optimizer, args, kwargs):
+        if all(float(group.get("lr", 1.0)) == 0.0 for group in optimizer.param_groups):
+            return  # not a training step: torch.distributed.checkpoint gives Adam its state so, before it loads one
+        _taken[0] += 1
+        if KILL_AT_STEP == f"{_restart()}:{_rank()}:{_taken[0]}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if RECORD_DIR and _read:
+            _append("batches.jsonl", json.dumps(dict(pid=os.getpid(), rank=_rank(), restart=_restart(),
+                                                     mesh=_now["mesh"], step=_taken[0], **_read)))
+            _read.clear()
+
+    dataloader._BaseDataLoaderIter.__next__ = _noting_next_item
+    register_optimizer_step_pre_hook(_before_optimizer_step)
 
 if RECORD_STEPS:
     import math
