@@ -226,6 +226,23 @@ def test_the_demo_trains_the_gpt_on_a_pp2_x_tp2_mesh_with_two_stages_a_rank(demo
     assert (folder / "mesh_model_full.pt").exists() and not list(folder.glob("mesh_model_full.pt.*")), job.writes
 
 
+@pytest.mark.slow
+def test_the_demo_runs_the_long_run_on_token_files_it_wrote_first(demo_run):
+    """Step 12 on step 11's 4 ranks: the token files written by tools/prepare_data.py in the demo's folder, 24 steps
+    of 16 sequences whose loss falls, a line every 6 steps, the held-out loss at steps 0, 12 and 24, two snapshots
+    (steps 12 and 24) in long_snapshots/, TensorBoard's event file, the summary's line in steps."""
+    job, folder = demo_run["jobs"]["long_run.py"], demo_run["run_dir"]
+    lines, held_out = output.step_lines(job.output), output.held_out_losses(job.output)
+    assert job.ok and sorted(lines) == [6, 12, 18, 24] and lines[24]["loss"] < lines[6]["loss"], job.output
+    assert [step for step, _ in held_out] == [0, 12, 24] and held_out[2][1] < 0.75 * held_out[0][1], job.output
+    assert (folder / "data" / "help-short" / "meta.json").exists()
+    assert sorted(path.name for path in (folder / "long_snapshots").iterdir()) == ["step-00000012", "step-00000024"]
+    assert list((folder / "runs" / "long_run").glob("events.out.tfevents.*")), "no TensorBoard event file"
+    summary = demo_run["printed"].split("=== Summary")[1]
+    assert re.search(r"^long_run\.py +loss [\d.]+ \(step 6\) -> [\d.]+ \(step 24\); held-out [\d.]+ \(step 0\) -> "
+                     r"[\d.]+ \(step 24\)$", summary, re.M), summary
+
+
 # --- what DDP's gradient averaging means ----------------------------------------------------------------------------
 
 def train_in_one_process(batch_size, epochs=EPOCHS):

@@ -105,6 +105,15 @@ def main():
                                torchrun("one_mesh.py", 1, 1, "--pp", pp, "--tp", tp,
                                         *(["--precision", "bf16"] if GPUS else []), nproc=pp * tp),
                                env={TEXT_VARIABLE: excerpt} if excerpt else None, timeout=args.timeout)
+    # Step 12 on step 11's 4 processes: token files of the help pages written first (on a CPU, the pages of at most
+    # 1,500 characters: 409 sequences of 64), then 24 optimizer steps in global batches of 16, a snapshot every 12
+    # steps (long_snapshots/), a held-out loss every 12, a line every 6 (TensorBoard's scalars in runs/long_run/).
+    data = ["data/help-gpu", "--workload", "gpt-gpu"] if GPUS else ["data/help-short", "--max_chars", 1500]
+    show("Step 12: the token files it reads from disk", python("tools/prepare_data.py", *data), timeout=args.timeout)
+    jobs["long_run.py"] = show(f"Step 12: the long run, steps not epochs, on pp {pp} x tp {tp}",
+                               torchrun("long_run.py", 24, 12, "--data", data[0], "--global_batch", 16, "--log_every",
+                                        6, "--eval_every", 12, *(["--precision", "bf16"] if GPUS else []),
+                                        "--pp", pp, "--tp", tp, nproc=pp * tp), timeout=args.timeout)
 
     fault = show("Step 3 under fire: a worker SIGKILLed, torchrun restarts the group, the job resumes",
                  python("tools/fault_demo.py", "--timeout", args.timeout), timeout=args.timeout + 30, narrated=True)
@@ -112,7 +121,14 @@ def main():
     print(f"\n=== Summary ({time.perf_counter() - began:.0f} s; files in {where(RUN_DIR)}/)")
     for step, job in jobs.items():
         losses = job.losses
-        print(f"{step:22} loss {losses[0]:.4f} (epoch 0) -> {losses[max(losses)]:.4f} (epoch {max(losses)})")
+        if losses:
+            print(f"{step:22} loss {losses[0]:.4f} (epoch 0) -> {losses[max(losses)]:.4f} (epoch {max(losses)})")
+        else:  # the long run reports windows of steps, and the held-out loss from step 0 on
+            lines, held_out = output.step_lines(job.output), output.held_out_losses(job.output)
+            before, after = held_out[0], held_out[-1]
+            (first, start), (last, end) = min(lines.items()), max(lines.items())
+            print(f"{step:22} loss {start['loss']:.4f} (step {first}) -> {end['loss']:.4f} (step {last}); held-out "
+                  f"{before[1]:.4f} (step {before[0]}) -> {after[1]:.4f} (step {after[0]})")
     for steps, text in output.samples(jobs["gpt.py"].output):
         print(f"\nWhat the GPT writes after {steps} optimizer steps:\n{text}")
     return jobs, fault
