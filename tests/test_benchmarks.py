@@ -560,3 +560,84 @@ def test_init_weights_times_what_a_rank_draws_and_rates_it_per_weight_of_the_who
     assert rows == {size: f"{whole[size]:,}" for size in ("cpu", "gpu")}, printed
     assert re.search(rf"^at [\d.]+ ns a weight \(gpu's rate\), the 8b width's {whole['8b']:,} weights take \d+ s on "
                      r"every rank; a seed checkpoint draws none$", printed, re.M), printed
+
+
+def figure(text):
+    """A printed figure as a float (its thousands' commas left out)."""
+    return float(text.replace(",", ""))
+
+
+@pytest.mark.slow
+def test_long_run_reads_its_jobs_windows_its_rounds_and_each_files_memory(monkeypatch, capsys):
+    """Five torchrun jobs of long_run.py (a line every 2 of 6 steps: the window of steps 2-4 alone is measured), the
+    reads of part 1 in this process, and a spawned reader per token file: every row of the tables is what those
+    printed (a job's fastest window, the fastest read round) or follows from it, the jobs wrote the snapshots their
+    command asks for, and no page of a file stays in the reading process after its reads."""
+    text = run_benchmark(monkeypatch, capsys, "long_run.py", "--source", "help", "--base_chars", 60000, "--multiples",
+                         1, 2, "--global_batch", 8, "--steps", 6, "--log_every", 2, "--job_rounds", 1,
+                         "--read_batches", 4, "--rounds", 2, "--memory_steps", 3)
+    jobs = {}
+    for workers, every, mode, seconds, saved, size, measured in re.findall(
+            r"^job: --workers (\d), a snapshot every (\d+) steps, (sync|async) \(round 0\)\n  \$ .*\n  ([\d.]+) s; "
+            r"(\d+) snapshots written, the last ([\d.]+) MiB; windows \(steps: ms/step, tokens/s\): (.*)$", text, re.M):
+        windows = re.findall(r"(\d+)-(\d+): ([\d.]+), ([\d,]+)", measured)
+        jobs[int(workers), int(every), mode] = dict(seconds=seconds, saved=int(saved), size=size, windows=windows)
+    assert set(jobs) == {(0, 1000, "sync"), (2, 1000, "sync"), (0, 1, "sync"), (0, 1000, "async"), (0, 1, "async")}
+    for (_, every, _), job in jobs.items():
+        assert [window[:2] for window in job["windows"]] == [("2", "4")], (job, text)
+        assert job["saved"] == (6 if every == 1 else 1), (job, text)
+    # A job's one window: its ms/step and its tokens/s, as printed.
+    step = {key: job["windows"][0][2:] for key, job in jobs.items()}
+    base_ms, base_rate = step[0, 1000, "sync"]
+
+    # Part 1: the fastest read round of each source against the --workers 0 job's step.
+    rounds = re.search(r"^read rounds, ms per global batch: memory-mapped ([\d., ]+); in memory ([\d., ]+)$", text,
+                       re.M)
+    mapped, in_memory = ([float(ms) for ms in group.split(", ")] for group in rounds.groups())
+    assert len(mapped) == len(in_memory) == 2, text
+    reads = {name: (float(ms), float(share)) for name, ms, share in re.findall(
+        r"^\| Shares over the (memory-mapped TokenFile|same rows in memory) \| ([\d.]+) \| ([\d.]+)% \|$", text, re.M)}
+    assert reads.keys() == {"memory-mapped TokenFile", "same rows in memory"}, text
+    assert (reads["memory-mapped TokenFile"][0], reads["same rows in memory"][0]) == (min(mapped), min(in_memory))
+    assert f"| a training step (job: --workers 0, a snapshot every 1000 steps, sync) | {base_ms} | 100.00% |" in text
+    for ms, share in reads.values():
+        assert share == pytest.approx(100 * ms / float(base_ms), abs=0.006), text
+    rates = {int(workers): (rate, float(ratio)) for workers, rate, ratio in re.findall(
+        r"^\| --workers (\d), memory-mapped file \| ([\d,]+) \| ([\d.]+)x \|$", text, re.M)}
+    assert rates.keys() == {0, 2}, text
+    for workers, (rate, ratio) in rates.items():
+        assert rate == step[workers, 1000, "sync"][1], text
+        assert ratio == pytest.approx(figure(rate) / figure(base_rate), abs=0.006), text
+    estimate = re.search(r"^\| --workers 0, rows in memory \(estimated: .*\) \| ([\d,]+) \| [\d.]+x \|$", text, re.M)
+    expected = figure(base_rate) * float(base_ms) / (float(base_ms) - min(mapped) + min(in_memory))
+    assert figure(estimate[1]) == pytest.approx(expected, rel=1e-3, abs=1), text
+
+    # Part 2: each save mode's snapshot every step against every 1000 steps.
+    rows = {(mode, int(every)): row for mode, every, *row in re.findall(
+        r"^\| (sync|async) \| (\d+) \| ([\d.]+) \| ([\d.]+|-) \| ([\d.]+|-) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$",
+        text, re.M)}
+    assert set(rows) == {(mode, every) for mode in ("sync", "async") for every in (1000, 1)}, text
+    for (mode, every), (ms, added, steps, saved, size, seconds) in rows.items():
+        job = jobs[0, every, mode]
+        assert (ms, int(saved), size, seconds) == (step[0, every, mode][0], job["saved"], job["size"], job["seconds"])
+        if every == 1:
+            base = float(rows[mode, 1000][0])
+            assert float(added) == pytest.approx(float(ms) - base, abs=0.011), text
+            assert float(steps) == pytest.approx(float(added) / base, abs=0.006), text
+            assert f"{mode}: {added} ms, {steps} steps of training" in text, text
+        else:
+            assert added == steps == "-", text
+
+    # Part 3: a row per file, its rows and pages; none of the file's pages left in the process after the reads (each
+    # read's mapping is gone with it).
+    memory = {int(multiple): [figure(number) for number in numbers] for multiple, *numbers in re.findall(
+        r"^\| x(\d+) \| ([\d.]+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (-?[\d.]+) \| "
+        r"(-?[\d.]+) \| (-?[\d.]+) \|$", text, re.M)}
+    assert set(memory) == {1, 2}, text
+    for multiple, (size, rows_read, pages, resident, *_) in memory.items():
+        assert size == pytest.approx(multiple * memory[1][0], abs=0.011), text
+        assert rows_read == 3 * 8 and 0 < pages <= size + 0.01 and resident == 0, text
+    summary = re.search(r"^x1 -> x2: the file 2\.0x, its resident pages ([-+][\d.]+) MiB, the peak RSS's growth "
+                        r"([-+][\d.]+) MiB$", text, re.M)
+    assert float(summary[1]) == pytest.approx(memory[2][3] - memory[1][3], abs=0.011), text
+    assert float(summary[2]) == pytest.approx(memory[2][6] - memory[1][6], abs=0.011), text
