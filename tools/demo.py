@@ -121,8 +121,11 @@ def main():
     print(f"\n=== Summary ({time.perf_counter() - began:.0f} s; files in {where(RUN_DIR)}/)")
     for step, job in jobs.items():
         losses = job.losses
-        if losses:
+        if len(losses) > 1:
             print(f"{step:22} loss {losses[0]:.4f} (epoch 0) -> {losses[max(losses)]:.4f} (epoch {max(losses)})")
+        elif losses:  # one epoch: its mean training loss, then the held-out loss of the weights it ended with
+            held_out = output.held_out(job.output)["loss"]
+            print(f"{step:22} loss {losses[0]:.4f} (epoch 0's mean) -> held-out {held_out:.4f} (after it)")
         else:  # the long run reports windows of steps, and the held-out loss from step 0 on
             lines, held_out = output.step_lines(job.output), output.held_out_losses(job.output)
             before, after = held_out[0], held_out[-1]
