@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.tensorboard import SummaryWriter
 
 from utils import WORKLOADS, configure_cpu_threads, exit_without_teardown, log_rank_metrics, positive_int, replacing
+from utils import non_negative_int
 from utils import attempt_store, require_epochs_left, require_torchrun, snapshot_folder, stop_if_unloadable
 from utils import require_written_by
 from utils import require_same_arguments, require_same_start
@@ -336,7 +337,7 @@ if __name__ == "__main__":
     parser.add_argument("--logdir", default="runs/long_run", help="TensorBoard's folder (rank 0 writes it)")
     parser.add_argument("--keep", default=3, type=positive_int, help="Snapshots kept: the last ones")
     parser.add_argument("--skip", type=skip_range, help="Global batches BEGIN:END not to train on")
-    parser.add_argument("--workers", default=0, type=int, help="Loader processes that read ahead")
+    parser.add_argument("--workers", default=0, type=non_negative_int, help="Loader processes that read ahead")
     parser.add_argument("--workload", default="gpt", choices=[w for w in WORKLOADS if w.startswith("gpt")])
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
     parser.add_argument("--snapshot_path", default="long_snapshots", type=snapshot_folder, help="Snapshots' folder")

@@ -376,6 +376,15 @@ def test_a_global_batch_the_layout_cannot_split_stops_before_the_process_group(m
     assert str(stop).startswith("error: --global_batch 7 must split into the 2 dp ranks' shares"), stop
 
 
+@pytest.mark.parametrize("workers", ["-1", "two"])
+def test_loader_processes_are_a_whole_number_of_zero_or_more(monkeypatch, capsys, data, workers):
+    """--workers -1 would reach the DataLoader after the process group formed, and end in its traceback there."""
+    stop = stopped_as_rank_0(monkeypatch, "long_run.py", 1, "--data", data, "--workers", workers)
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.code == 2 and error.startswith("long_run.py: error: argument --workers: "), error
+    assert ("must be 0 or more, got -1" if workers == "-1" else "expected a whole number, got 'two'") in error
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["another global batch", "another text", "skip passed", "another step"])
 def test_bad_input_on_a_resume_stops_with_one_line_before_any_step(tmp_path, tmp_path_factory, data, straight, text,

@@ -30,6 +30,17 @@ def positive_int(text):
     return value
 
 
+def non_negative_int(text):
+    """argparse type: a whole number >= 0, where 0 turns a thing off (loader processes that read ahead)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _number(text):
     try:
         value = float(text)
