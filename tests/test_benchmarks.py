@@ -612,9 +612,10 @@ def test_long_run_reads_its_jobs_windows_its_rounds_and_each_files_memory(monkey
     expected = figure(base_rate) * float(base_ms) / (float(base_ms) - min(mapped) + min(in_memory))
     assert figure(estimate[1]) == pytest.approx(expected, rel=1e-3, abs=1), text
 
-    # Part 2: each save mode's snapshot every step against every 1000 steps.
+    # Part 2: each save mode's snapshot every step against every 1000 steps (on a busy machine a job's one measured
+    # window may be slower with fewer snapshots: what a snapshot adds is then printed below 0, as measured).
     rows = {(mode, int(every)): row for mode, every, *row in re.findall(
-        r"^\| (sync|async) \| (\d+) \| ([\d.]+) \| ([\d.]+|-) \| ([\d.]+|-) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$",
+        r"^\| (sync|async) \| (\d+) \| ([\d.]+) \| (-?[\d.]+|-) \| (-?[\d.]+|-) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$",
         text, re.M)}
     assert set(rows) == {(mode, every) for mode in ("sync", "async") for every in (1000, 1)}, text
     for (mode, every), (ms, added, steps, saved, size, seconds) in rows.items():
