@@ -79,11 +79,23 @@ PEER_GONE = re.compile(r"^error: rank \d+: (?:a peer is gone \(Connection (?:clo
                        r"allows, else the same command resumes from it|a collective gave up after --timeout \d+ s .*)$")
 
 
+# torchrun's own goodbye after a multi-node job that ended: the node whose torchrun hosted the rendezvous's store may
+# exit first, and another node's torchrun then prints the store's C++ warning with its frames, before its own log
+# record that it "has failed to shutdown the rendezvous" (docs/multinode.md, Troubleshooting). The launcher's, after
+# every worker ended.
+LAUNCHER_GOODBYE = re.compile(r"^\[W\d+ [\d:.]+ TCPStore\.cpp:\d+\] \[c10d\] recvVector failed .*\n"
+                              r"(?:(?:Exception raised from |frame #|<omitting python frames>).*\n|\n)*", re.M)
+SHUTDOWN_FAILED = re.compile(r"dynamic_rendezvous\.py:\d+\] The node '[^']+' has failed to shutdown the rendezvous")
+
+
 def assert_only_own_lines(job):
     """The job's workers printed their own lines and nothing of torch's: no traceback, no library warning or log
-    record (torchrun's own log records, `W1125 ...`, and its report of a job that failed are the launcher's, and
-    allowed: python -m torch.distributed.run's traceback begins in <frozen runpy>)."""
+    record (torchrun's own log records, `W1125 ...`, its report of a job that failed, and its goodbye to a rendezvous
+    whose host left first are the launcher's, and allowed: python -m torch.distributed.run's traceback begins in
+    <frozen runpy>)."""
     workers = job.output.split('Traceback (most recent call last):\n  File "<frozen runpy>"')[0]
+    if SHUTDOWN_FAILED.search(workers):
+        workers = LAUNCHER_GOODBYE.sub("", workers)
     noise = LIBRARY_NOISE.findall(workers)
     assert not noise, f"{len(noise)} lines of library noise; the output ends:\n{job.output[-3000:]}"
 
