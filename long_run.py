@@ -123,7 +123,8 @@ class Trainer:
                             SCHEDULER_STATE=self.scheduler.state_dict(), STEPS_RUN=0, NEXT_BATCH=0, TOKENS=0,
                             SKIPPED="", GLOBAL_BATCH=0)
             dcp.load(snapshot, checkpoint_id=path)  # fills the tensors above in place
-            if snapshot["GLOBAL_BATCH"] != self.args.global_batch:  # the cursor counts global batches of its size
+            # The cursor counts global batches of the snapshot's size: another size would read other rows.
+            if snapshot["GLOBAL_BATCH"] != self.args.global_batch:
                 raise SystemExit(f"error: {path} was trained in global batches of {snapshot['GLOBAL_BATCH']} "
                                  f"sequences, not --global_batch {self.args.global_batch}'s: resume it with its own")
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
@@ -180,7 +181,8 @@ class Trainer:
                          **self.held)
         dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
         mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
-        seconds = time.perf_counter() - start  # held-out losses and snapshots included: the run's pace
+        # Held-out losses and snapshots included: the run's pace, which the time left is computed from.
+        seconds = time.perf_counter() - start
         tokens_per_s = totals[1].item() / seconds  # the whole job's
         utilisation = mfu(self.model, tokens_per_s, self.device, self.args.peak_tflops)
         if self.global_rank == 0:

@@ -111,8 +111,8 @@ LARGER_BUDGETS = {
     # batch's count; a held-out loss every --eval_every steps on every rank (utils/pipeline.held_out_loss); six
     # options, --workers checked as a whole number of 0 or more. Against its issue's (-, 110): what reads the data
     # lives in utils/data.py (160 lines), the rest is the lesson itself, each piece in the script, and the loop's lines
-    # that changed count twice: 356 lines, 236 changed.
-    "long_run.py": (356, 236),
+    # that changed count twice: 358 lines, 238 changed.
+    "long_run.py": (358, 238),
 }
 BLOCK = re.compile(r"(<!-- diff (\S+) (\S+) -->\n)(.*?)(<!-- end diff -->)", re.S)
 

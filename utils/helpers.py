@@ -19,26 +19,24 @@ from utils.collectives import gathered_json
 from utils.gpt import size_of
 
 
-def positive_int(text):
-    """argparse type: a whole number >= 1 (epochs, save interval, batch size, processes)."""
+def _whole_number(text, least, says):
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{says}, got {value}")
     return value
+
+
+def positive_int(text):
+    """argparse type: a whole number >= 1 (epochs, save interval, batch size, processes)."""
+    return _whole_number(text, 1, "must be at least 1")
 
 
 def non_negative_int(text):
     """argparse type: a whole number >= 0, where 0 turns a thing off (loader processes that read ahead)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+    return _whole_number(text, 0, "must be 0 or more")
 
 
 def _number(text):
