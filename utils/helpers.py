@@ -3,6 +3,7 @@ clean exit."""
 import argparse
 import contextlib
 import glob
+import hashlib
 import io
 import os
 import pickle
@@ -13,6 +14,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.torch_version import TorchVersion
 
 from utils.collectives import gathered_json
@@ -541,3 +543,36 @@ def require_same_arguments(args, ignore=("snapshot_path",)):
             name = different[0]
             raise SystemExit(f"error: the nodes were started with different arguments: {name} is {everyone[0][name]} "
                              f"on rank 0 but {theirs[name]} on rank {rank}; start every node with the same command")
+
+
+def weights_digest(model, device):
+    """Eight hex digits that differ when the weights do: every rank hashes the part of each parameter it holds (a
+    shard under FSDP), and the group sums the hashes. A collective of the default group: call it on every rank.
+    Step 13 prints it at every step, so two replica groups that hold the same weights show the same digits."""
+    hashed = hashlib.sha256()
+    for parameter in model.parameters():
+        local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+        hashed.update(local.detach().float().cpu().numpy().tobytes())
+    total = torch.tensor(int(hashed.hexdigest()[:12], 16), dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return f"{int(total) % 16**8:08x}"
+
+
+def quiet_torchft():
+    """Silence what torchft makes torch and Python print that a learner cannot act on, each at its cause: torchft's
+    gloo group calls a method of torch's that is now a no-op and warns in C++ (replaced here by a silent no-op),
+    torch warns once that a checkpoint received from a peer sits in a read-only buffer (torchft loads it and copies
+    nothing back), the checkpoint server (Python's http.server) logs every request a healing group makes, and torchft's
+    Python side logs every failed step with a traceback (the step prints one line). torchft's Rust side logs as RUST_LOG
+    says (step 13 sets it before torchft loads)."""
+    import http.server
+    import logging
+    import warnings
+
+    backend = dist.ProcessGroupGloo
+    if hasattr(backend, "_set_sequence_number_for_group"):
+        backend._set_sequence_number_for_group = lambda self: None
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    http.server.BaseHTTPRequestHandler.log_message = lambda self, *args: None
+    # torchft's Python side logs a failed collective with its traceback, and goes on: the step says it in one line.
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)

@@ -71,10 +71,19 @@ def known_cause(error, timeout_s):
     gloo's "Timed out waiting 60000ms for recv operation to complete", from any of the job's process groups; and a peer
     that vanished in the middle of a collective (killed, crashed, its machine gone), which gloo reports as "Connection
     closed by peer [ADDRESS]:PORT" or "Read error [ADDRESS]:PORT: Connection reset by peer", and NCCL as "remote process
-    exited or there was a network error"."""
+    exited or there was a network error". And step 13's (torchft's): a server that does not answer (the lighthouse,
+    or the Manager of the group's rank 0), and a step's quorum that did not come within the timeout."""
     rank = os.environ.get("RANK")
     while error is not None:
-        message = str(error) if isinstance(error, RuntimeError) else ""
+        message = str(error) if isinstance(error, (RuntimeError, TimeoutError)) else ""
+        unanswered = re.search(r"failed to connect to (\S+) within timeout", message)
+        if unanswered:
+            return (f"error: rank {rank}: nothing answers at {unanswered[1]} within --timeout {timeout_s} s: start the "
+                    "lighthouse first (torchft_lighthouse), and give --lighthouse its address; the snapshot on disk is "
+                    "kept, and the same command resumes from it")
+        if isinstance(error, TimeoutError) and "Timeout expired" in message:
+            return (f"error: rank {rank}: no quorum within --timeout {timeout_s} s: the lighthouse is gone or cannot "
+                    "be reached; the snapshot on disk is kept, and the same commands resume from it once it runs")
         waited = re.search(r"Timed out waiting \d+ms[^\n]*", message)
         if waited:
             return (f"error: rank {rank}: a collective gave up after --timeout {timeout_s} s "

@@ -82,9 +82,26 @@ def torchrun_node(name, *args, nnodes=2, nproc=1, endpoint, run_id="job", launch
             "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", *launcher_args, script(name), *map(str, args)]
 
 
+def lighthouse(port, min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000):
+    """Step 13's lighthouse (torchft_lighthouse, installed beside this Python) on 127.0.0.1:`port`, as a command list:
+    a step's quorum needs `min_replicas` groups; it waits up to `join_timeout_ms` for a group that heartbeats but has
+    not asked to join yet, and takes a group whose heartbeat stopped `heartbeat_timeout_ms` ago for dead."""
+    return [str(Path(PYTHON).parent / "torchft_lighthouse"), "--min_replicas", str(min_replicas),
+            "--bind", f"127.0.0.1:{port}", "--join_timeout_ms", str(join_timeout_ms),
+            "--heartbeat_timeout_ms", str(heartbeat_timeout_ms)]
+
+
+def replica_groups(name, *args, port, groups=2, nproc=1, launcher_args=()):
+    """Step 13's replica groups, each one `torchrun --standalone` (a rendezvous of its own) of `nproc` ranks, meeting
+    at the lighthouse on 127.0.0.1:`port`: a command list per group. Start them after lighthouse(port), in one job."""
+    return [torchrun(name, *args, "--group", group, "--groups", groups, "--lighthouse", f"http://127.0.0.1:{port}",
+                     nproc=nproc, launcher_args=launcher_args) for group in range(groups)]
+
+
 def shown(command):
     """A command as a learner types it: `python`, `torchrun` and the repository's files by their own names."""
     text = " ".join(map(str, command)).replace(" ".join(TORCHRUN), "torchrun").replace(PYTHON, "python")
+    text = text.replace(str(Path(PYTHON).parent / "torchft_lighthouse"), "torchft_lighthouse")
     return text.replace(str(REPO) + os.sep, "")
 
 
@@ -107,7 +124,8 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
     variable; a PYTHONPATH in it goes before the repository's)."""
     extra = dict(extra or {})
     env = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # RUST_LOG: step 13's lighthouse (torchft's Rust) logs every quorum at its default level, INFO.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUST_LOG="warn")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU jobs stay CPU jobs on a machine with GPUs
     injected = kill_at or kill_at_step or skip_all_reduce or stall_init is not None or slow_save
@@ -142,12 +160,15 @@ class Job:
     cwd: the folder each node runs in (one for all, or a list; `cwds` holds them, `cwd` the first node's); logs: where
     the logs and records go (default: the first node's folder); env: extra variables for every node, node_env: a dict
     per node on top of them; record_steps (implies record): every optimizer step's learning rate and gradient
-    all-reduces too. `limit`: the seconds wait() gave it (None until then).
+    all-reduces too; services: how many of the first commands serve the others and do not end by themselves (step 13's
+    lighthouse): the job ends when the others have, and a service still serving then counts as exit code 0. `limit`:
+    the seconds wait() gave it (None until then).
     """
 
     def __init__(self, *commands, cwd, env=None, node_env=None, gpu=False, record=False, kill_at=None,
                  skip_all_reduce=None, stall_init=None, slow_save=None, logs=None, record_steps=False,
-                 kill_at_step=None):
+                 kill_at_step=None, services=0):
+        self.services = services
         self.cwds = [Path(folder) for folder in (cwd if isinstance(cwd, (list, tuple)) else [cwd] * len(commands))]
         self.limit = None
         self.commands = [[str(part) for part in command] for command in commands]
@@ -241,8 +262,8 @@ class Job:
         return [proc.poll() for proc in self.procs]
 
     def running(self):
-        """True while any node runs."""
-        return None in self.poll()
+        """True while any node runs (a service does not count)."""
+        return None in self.poll()[self.services:]
 
     def workers(self, node=0, restart=0, nproc=None, timeout=60):
         """{global rank: pid} of the workers node `node`'s torchrun started for attempt `restart`."""
@@ -272,6 +293,8 @@ class Job:
             self.new_lines(echo)
             time.sleep(0.02)
         self.codes = self.poll()
+        self.codes[:self.services] = [0 if code is None and not self.running() else code
+                                      for code in self.codes[:self.services]]
         self.new_lines(echo)
         self.stop()
         return self.codes
@@ -404,7 +427,7 @@ class FinishedJob(Job):
         self.cwds, self.logs_dir = [folder / "work"] * len(self.commands), folder / "logs"
         self.logs = [self.logs_dir / f"node{node}.log" for node in range(len(self.commands))]
         self.recorded, self.procs, self.timeline, self.began = state["recorded"], [], [], time.monotonic()
-        self._offsets, self._queue = [0] * len(self.commands), []
+        self._offsets, self._queue, self.services = [0] * len(self.commands), [], 0
 
     def poll(self):
         return list(self.codes)

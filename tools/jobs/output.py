@@ -1,13 +1,15 @@
 """What the step scripts print, as patterns: the one place that knows the shape of their lines.
 
 Every step tags its lines with where they come from: `[cpu]` or `[cuda]` in step 1, `[rank 0/2 | cpu]` from step 2
-on, `[rank 1/4 | local 1 | cuda:1]` once there are several nodes. The parsers below read a job's whole output.
+on, `[rank 1/4 | local 1 | cuda:1]` once there are several nodes, `[group 1 | rank 0/2 | cpu]` in step 13's replica
+groups. The parsers below read a job's whole output.
 """
 import re
 
 from utils.memory import COLUMNS
 
-TAG = (r"\[(?:rank (?P<rank>\d+)/(?P<world_size>\d+) \| (?:local (?P<local_rank>\d+) \| )?)?"
+TAG = (r"\[(?:group (?P<group>\d+) \| )?"
+       r"(?:rank (?P<rank>\d+)/(?P<world_size>\d+) \| (?:local (?P<local_rank>\d+) \| )?)?"
        r"(?P<device>cpu|cuda(?::\d+)?)\]")
 EPOCH = re.compile(TAG + r" epoch (?P<epoch>\d+) \| steps (?P<steps>\d+) \| loss (?P<loss>[\d.]+) \| "
                          r"(?P<rate>[\d,]+) (?P<unit>samples|tokens)/s(?: \| MFU (?P<mfu>[\d.]+)%)?")
@@ -22,6 +24,12 @@ STEP_HELD_OUT = re.compile(TAG + r" step (?P<step>\d+) \| held-out loss (?P<loss
 STEP_SAVED = re.compile(TAG + r" step (?P<step>\d+) \| snapshot saved to (?P<path>\S+)")
 STEP_RESUMED = re.compile(TAG + r" resuming from step (?P<step>\d+) at global batch (?P<batch>\d+), restart "
                                 r"(?P<restart>\d+)")
+# Step 13's lines (fault_tolerant.py): each group's rank 0 prints every step it committed, a step it did not, and the
+# step at which it took a healthy group's state.
+GROUP_STEP = re.compile(TAG + r" step (?P<step>\d+) \| participants (?P<participants>\d+) \| "
+                              r"loss (?P<loss>[\d.]+) \| weights (?P<weights>[0-9a-f]{8})")
+NOT_COMMITTED = re.compile(TAG + r" step (?P<step>\d+) not committed")
+HEALED = re.compile(TAG + r" healed at step (?P<step>\d+) from a healthy group")
 SKIPPING = re.compile(r"skipping global batches (?P<first>\d+) to (?P<last>\d+) \(--skip (?P<begin>\d+):(?P<end>\d+)\)")
 # gpt.py's generated text: a header line, then the sample's lines, each indented by "  | "
 SAMPLE = re.compile(TAG + r" sample after (?P<steps>\d+) optimizer steps:\n(?P<text>(?:  \| .*(?:\n|$))*)")
@@ -45,6 +53,16 @@ def step_lines(output):
     the last wins)."""
     return {int(match["step"]): dict(loss=float(match["loss"]), tokens=int(match["tokens"].replace(",", "")),
                                      rate=float(match["rate"].replace(",", ""))) for match in STEP.finditer(output)}
+
+
+def group_steps(output):
+    """{group: {step: {"participants", "loss", "weights"}}} from step 13's lines (a step a group printed twice, before
+    and after a restart: the last wins)."""
+    steps = {}
+    for match in GROUP_STEP.finditer(output):
+        steps.setdefault(int(match["group"]), {})[int(match["step"])] = dict(
+            participants=int(match["participants"]), loss=float(match["loss"]), weights=match["weights"])
+    return steps
 
 
 def held_out_losses(output):

@@ -1,0 +1,217 @@
+"""Step 13 - replica groups that train on when one dies (torchft): each group one torchrun, FSDP inside (HSDP).
+
+    torchft_lighthouse --min_replicas 1 --bind 0.0.0.0:29510            # once, on a machine LIGHTHOUSE
+    torchrun --nproc_per_node=gpu fault_tolerant.py 50 10 --group 0 --groups 2 --lighthouse http://LIGHTHOUSE:29510
+    torchrun --nproc_per_node=gpu fault_tolerant.py 50 10 --group 1 --groups 2 --lighthouse http://LIGHTHOUSE:29510
+"""
+import argparse
+import os
+from datetime import timedelta
+
+# torchft's Rust side logs every quorum (hundreds of lines a minute): it reads RUST_LOG once, as it loads.
+os.environ.setdefault("RUST_LOG", "warn")
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.data import DataLoader, Dataset
+from torchft import DistributedSampler, Manager, Optimizer, ProcessGroupGloo, ProcessGroupNCCL
+
+from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload,
+                   positive_int, replacing)
+from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
+from utils import require_written_by
+from utils import require_same_arguments, require_same_start
+from utils import exists_on_any_rank, log_memory, require_torch_for_fsdp
+from utils import non_negative_int, quiet_torchft, weights_digest
+
+
+def ddp_setup(timeout_s):
+    # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each process it started.
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process its own GPU
+    # The processes meet in torchrun's store, under keys of this attempt's own: after a restart the keys of the
+    # workers that died are still there (docs/steps.md explains). A collective stuck past the timeout fails.
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", store=attempt_store(timeout_s),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timedelta(seconds=timeout_s))
+
+
+class Trainer:
+    def __init__(self, model, train_data, make_optimizer, loss_fn, device, save_every, snapshot_path, fsdp, args):
+        # LOCAL_RANK numbers the processes of this node (it picks the GPU); RANK numbers those of this group.
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.global_rank = int(os.environ["RANK"])
+        self.device = device
+        self.model = model.to(device)
+        # Each block, then the root: sharded over this group's ranks; the gradient shards FSDP reduce-scatters in the
+        # group are then averaged over the groups of this step's quorum (HSDP, each replica a group).
+        for module in [*model.children(), model]:
+            fully_shard(module, **fsdp)
+            module.set_all_reduce_hook(lambda shard: self.manager.allreduce(shard).wait())
+        self.optimizer = make_optimizer(model)  # after fully_shard: it steps the shards
+        self.train_data = train_data
+        self.loss_fn = loss_fn
+        self.save_every = save_every
+        self.tag = f"[group {args.group} | rank {self.global_rank}/{dist.get_world_size()} | {device}]"
+        self.snapshot_path = f"{snapshot_path}-group{args.group}"  # each group its own: any one can resume alone
+        self.verbose, self.arguments = args.verbose, [args.total_epochs, args.batch_size, args.groups, args.workload]
+        # Rank 0 serves the group's Manager, which meets the other groups at the lighthouse; the other ranks read its
+        # address after the barrier, not one that rank 0 of the attempt before a restart left in torchrun's store.
+        self.manager = self._make_manager(args) if self.global_rank == 0 else None
+        dist.barrier()
+        self.manager = self.manager or self._make_manager(args)
+        # Its zero_grad() starts a step's quorum; its step() steps only if every group of it did all its all-reduces.
+        self.ft_optimizer = Optimizer(self.manager, self.optimizer)
+        # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
+        self.epochs_run = self._load_snapshot() if exists_on_any_rank(self.snapshot_path, device) else 0
+        require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
+
+    def _make_manager(self, args):
+        timeout = timedelta(seconds=args.timeout)
+        process_group = (ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo)(timeout)
+        # Every group starts from the same seeded weights: no group has to sit out step 0 to copy them (init_sync).
+        return Manager(process_group, load_state_dict=self._heal, state_dict=self._state, min_replica_size=1,
+                       replica_id=f"group{args.group}", lighthouse_addr=args.lighthouse, init_sync=False,
+                       timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+
+    def _state(self):
+        # What a healthy group sends one that is behind: each rank its shards, to the same rank of the other group.
+        return dict(zip(["MODEL", "OPTIMIZER"], get_state_dict(self.model, self.optimizer)), ARGS=self.arguments)
+
+    def _heal(self, sent):
+        # A group that is behind (restarted, or new) loads it, sits out this step's all-reduces, and steps with the rest.
+        if sent["ARGS"] != self.arguments:
+            raise SystemExit(f"error: this group has TOTAL_EPOCHS, --batch_size, --groups, --workload {self.arguments}"
+                             f", the running groups {sent['ARGS']}: start it with the arguments they had")
+        set_state_dict(self.model, self.optimizer, model_state_dict=sent["MODEL"], optim_state_dict=sent["OPTIMIZER"])
+        print(f"{self.tag} healed at step {self.manager.current_step()} from a healthy group, not from disk")
+
+    def _load_snapshot(self):
+        with stop_if_unloadable(self.snapshot_path):
+            require_written_by("fault_tolerant.py", self.snapshot_path)
+            # Each rank reads only its own shards, into the (sharded) state it already has.
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state, EPOCHS_RUN=0,
+                            TORCHFT=self.manager.state_dict())
+            dcp.load(snapshot, checkpoint_id=self.snapshot_path)  # fills the tensors above in place
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+            self.manager.load_state_dict(snapshot["TORCHFT"])  # the step to go on from
+            epochs_run = snapshot["EPOCHS_RUN"]
+        print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
+        return epochs_run
+
+    def _run_batch(self, source, targets):
+        self.ft_optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(source), targets)
+        loss.backward()
+        # The step's loss over every sample: averaged over the group's ranks, then over the groups of the quorum.
+        dist.all_reduce(loss := loss.detach() / dist.get_world_size())
+        self.manager.allreduce(loss).wait()
+        self.ft_optimizer.step()
+        return loss
+
+    def _save_snapshot(self, epoch):
+        # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
+        snapshot = dict(zip(["MODEL_STATE", "OPTIMIZER_STATE"], get_state_dict(self.model, self.optimizer)),
+                        EPOCHS_RUN=epoch + 1, STEP="fault_tolerant.py", TORCHFT=self.manager.state_dict())
+        # Every rank writes its shards into one folder of the job's; rank 0 then swaps it in for the last snapshot.
+        tmp = f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp"
+        with replacing(self.snapshot_path, tmp, rename=self.global_rank == 0):
+            dcp.save(snapshot, checkpoint_id=tmp)
+        if self.global_rank == 0:
+            print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
+
+    def train(self, max_epochs):
+        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
+        log_memory("start", self.model, self.optimizer, self.device, self.verbose)  # every rank's, in one table
+        # The loop counts the job's steps, which a group that heals takes over: each step reads the step's batch.
+        steps_per_epoch = len(self.train_data.sampler) // self.train_data.batch_size
+        while (step := self.manager.current_step()) < max_epochs * steps_per_epoch:
+            epoch, batch = divmod(step, steps_per_epoch)
+            self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every group
+            [(source, targets)] = step_batch(self.train_data, batch)  # this rank's share of the step
+            loss = self._run_batch(source.to(self.device), targets.to(self.device))
+            weights = weights_digest(self.model, self.device)
+            # One step more if this one committed; a group that healed in it took the healthy groups' count.
+            done = self.manager.current_step()
+            if self.global_rank == 0:
+                print(f"{self.tag} step {done - 1} | participants {self.manager.num_participants()} | loss "
+                      f"{loss.item():.4f} | weights {weights}" if done > step else f"{self.tag} step {step} not "
+                      "committed: a group of its quorum failed, and the groups left do it again")
+            epochs_done, into_epoch = divmod(done, steps_per_epoch)
+            if done > step and into_epoch == 0 and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
+                self._save_snapshot(epochs_done - 1)  # sharded: every rank writes its part
+                dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
+        log_memory("end", self.model, self.optimizer, self.device, self.verbose)
+
+
+def load_train_objs(args):
+    return make_workload(args.workload)  # data, model, optimizer and loss, as in every step
+
+
+def prepare_dataloader(dataset: Dataset, batch_size: int, group: int, groups: int):
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
+                      sampler=DistributedSampler(dataset, group, groups))  # each rank 1/(groups x its group's ranks)
+
+
+def step_batch(train_data, batch):
+    # Batch `batch` of this rank's share of the epoch: a step is read by its number, not by iterating.
+    first = batch * train_data.batch_size
+    indices = list(train_data.sampler)[first:first + train_data.batch_size]
+    return DataLoader(train_data.dataset, batch_size=len(indices), sampler=indices)
+
+
+def main(args):
+    require_torch_for_fsdp()  # FSDP on CPU processes needs torch 2.9: else one line
+    quiet_torchft()  # torch's warnings about torchft's calls, and its checkpoint server's log of each request
+    ddp_setup(args.timeout)
+    require_same_arguments(args)  # every node started with the same command?
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
+    workload = load_train_objs(args)
+    # bf16 compute; the gradients reduce-scattered in fp32 (a bf16 sum of many ranks' gradients loses their low bits);
+    # fp32 outputs for the loss; offloaded shards in CPU memory (pinned for GPUs).
+    bf16 = torch.bfloat16 if args.bf16 else None
+    fsdp = dict(mp_policy=MixedPrecisionPolicy(bf16, reduce_dtype=torch.float32, output_dtype=torch.float32),
+                offload_policy=CPUOffloadPolicy(device.type == "cuda") if args.cpu_offload else OffloadPolicy())
+    train_data = prepare_dataloader(workload.train_set, args.batch_size, args.group, args.groups)
+    trainer = Trainer(workload.model, train_data, workload.make_optimizer, workload.loss_fn, device,
+                      args.save_every, args.snapshot_path, fsdp, args)
+    trainer.train(args.total_epochs)
+    metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
+    full_model = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # The groups hold the same weights: the first participant of the last step reports and writes them.
+    if trainer.global_rank == 0 and trainer.manager.participating_rank() == 0:
+        print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
+        full_path = os.path.join(os.path.dirname(args.snapshot_path), "model_full.pt")  # beside the snapshot
+        torch.save(full_model, full_path)  # one plain state_dict: it loads without torch.distributed
+        print(f"{trainer.tag} full model saved to {full_path}")
+    dist.destroy_process_group()
+    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("total_epochs", type=positive_int, help="Total epochs to train the model")
+    parser.add_argument("save_every", type=positive_int, help="How often to save (in epochs)")
+    parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")
+    parser.add_argument("--workload", default="synthetic", choices=WORKLOADS, help="What to train")
+    parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
+    parser.add_argument("--snapshot_path", default="snapshot", type=writable_path, help="Sharded snapshot folder")
+    parser.add_argument("--group", default=0, type=non_negative_int, help="Which replica group this torchrun is")
+    parser.add_argument("--groups", default=2, type=positive_int, help="How many groups share the data")
+    parser.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE", "http://localhost:29510"),
+                        help="The lighthouse's address, where the groups meet at every step")
+    parser.add_argument("--bf16", action="store_true", help="FSDP: compute in bfloat16")
+    parser.add_argument("--cpu_offload", action="store_true", help="FSDP: keep the shards in CPU memory")
+    parser.add_argument("--verbose", action="store_true", help="Print every rank's memory at each epoch")
+    args = parser.parse_args()
+
+    if args.group >= args.groups:
+        parser.error(f"--group {args.group} is not one of the --groups {args.groups} (0 to {args.groups - 1})")
+    require_torchrun()
+    main(args)
