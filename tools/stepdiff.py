@@ -16,14 +16,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CHAIN = ["single_gpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py", "gpt.py",
          "tensor_parallel.py", "pipeline_parallel.py", "context_parallel.py", "expert_parallel.py", "one_mesh.py",
-         "long_run.py"]
+         "long_run.py", "fault_tolerant.py"]
 # The step each script is a diff of, where it is not the one before it in CHAIN: gpt.py trains with DDP, so it builds
 # on multinode.py, not on fsdp.py; tensor_parallel.py adds TP to FSDP's sharding, so it builds on fsdp.py;
 # pipeline_parallel.py, context_parallel.py and expert_parallel.py are diffs of gpt.py (the same GPT and loop, in
 # stages; on parts of each sequence; with its MLPs as experts spread over the ranks); one_mesh.py is a diff of
-# pipeline_parallel.py (its pipeline, with two stages a rank, each stage split over tp and sharded over dp).
+# pipeline_parallel.py (its pipeline, with two stages a rank, each stage split over tp and sharded over dp);
+# fault_tolerant.py is a diff of fsdp.py (its FSDP inside each replica group, its small workloads: a kill and a heal
+# take seconds on a CPU, and the proofs compare it with fsdp.py itself).
 PREVIOUS = {"gpt.py": "multinode.py", "tensor_parallel.py": "fsdp.py", "pipeline_parallel.py": "gpt.py",
-            "context_parallel.py": "gpt.py", "expert_parallel.py": "gpt.py", "one_mesh.py": "pipeline_parallel.py"}
+            "context_parallel.py": "gpt.py", "expert_parallel.py": "gpt.py", "one_mesh.py": "pipeline_parallel.py",
+            "fault_tolerant.py": "fsdp.py"}
 # Budgets: a step script reads in one sitting (lines), and each is a small diff of the one before (changed lines:
 # removed + added, as `diff OLD NEW | grep -c '^[<>]'` counts them).
 BUDGET = (150, 60)
@@ -113,6 +116,15 @@ LARGER_BUDGETS = {
     # lives in utils/data.py (160 lines), the rest is the lesson itself, each piece in the script, and the loop's lines
     # that changed count twice: 358 lines, 238 changed.
     "long_run.py": (358, 238),
+    # fsdp.py as a replica group of a job whose groups meet at torchft's lighthouse: the Manager (made by rank 0 first,
+    # so a restarted group's other ranks never read a dead rank 0's address), the all-reduce hook across groups, the
+    # state a healthy group sends and its check of the arguments, torchft's step in the snapshot; the loop counted in
+    # the job's steps instead of epochs (a group that heals takes the step count over, so the loop cannot be its own),
+    # each step's batch read by its number from the group's share, a line per step with the participants and a digest
+    # of the weights (the proof a learner sees), a step that did not commit said in one line; --group and --groups,
+    # --lighthouse; fsdp.py's --strategy ddp taken out. Against its issue's (-, 80): the epoch loop that is replaced
+    # counts twice, once removed and once as the step loop: 217 lines, 151 changed.
+    "fault_tolerant.py": (217, 151),
 }
 BLOCK = re.compile(r"(<!-- diff (\S+) (\S+) -->\n)(.*?)(<!-- end diff -->)", re.S)
 

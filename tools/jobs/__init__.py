@@ -358,9 +358,9 @@ class Job:
     @property
     def steps(self):
         """One dict per optimizer step of a job recorded with record_steps, in the order they were taken: pid, rank,
-        restart, step (its number in its process), lr (the learning rate it used), rounds (gradient all-reduce rounds
-        since the step before: one per backward that synced), buckets, grad_norms (each round's all-reduced gradient
-        norm). A process without DDP has rounds 0."""
+        restart, step (its number in its process), at (time.time() as it began), lr (the learning rate it used), rounds
+        (gradient all-reduce rounds since the step before: one per backward that synced), buckets, grad_norms (each
+        round's all-reduced gradient norm). A process without DDP has rounds 0."""
         return self.records("steps.jsonl")
 
     def records(self, name):

@@ -18,7 +18,8 @@ changed; without the variables nothing happens.
     is what every DataLoader with a batch size iterates over, so patching its __iter__ sees every batch of every
     step.)
 - JOB_RECORD_STEPS=1 (with JOB_RECORD_DIR): steps.jsonl, a JSON line per optimizer step: the process, its rank,
-  torchrun's restart count, the step's number in this process, the learning rate it used (the first param group's),
+  torchrun's restart count, the step's number in this process, `at` (time.time() as the step begins, its
+  gradients ready), the learning rate it used (the first param group's),
   and the gradient all-reduces since the step before: `rounds` (DDP all-reduces its buckets once per backward that
   syncs: one round), `buckets`, and `grad_norms` (each round's all-reduced gradient norm, over all its buckets). A
   DDP communication hook counts them: it wraps DDP's default all-reduce (divide by the world size, sum), so the
@@ -535,8 +536,8 @@ if RECORD_STEPS:
     def _recording_step(optimizer, args, kwargs):
         _append("steps.jsonl", json.dumps(dict(
             pid=os.getpid(), rank=_rank(), restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-            step=_steps[0], lr=optimizer.param_groups[0]["lr"], rounds=len(_rounds), buckets=_buckets[0],
-            grad_norms=[math.sqrt(math.fsum(squares)) for squares in _rounds])))
+            step=_steps[0], at=time.time(), lr=optimizer.param_groups[0]["lr"], rounds=len(_rounds),
+            buckets=_buckets[0], grad_norms=[math.sqrt(math.fsum(squares)) for squares in _rounds])))
         _steps[0] += 1
         _buckets[0] = 0
         _rounds.clear()
