@@ -88,7 +88,8 @@ class Trainer:
             raise SystemExit(f"error: this group has TOTAL_EPOCHS, --batch_size, --groups, --workload {self.arguments}"
                              f", the running groups {sent['ARGS']}: start it with the arguments they had")
         set_state_dict(self.model, self.optimizer, model_state_dict=sent["MODEL"], optim_state_dict=sent["OPTIMIZER"])
-        print(f"{self.tag} healed at step {self.manager.current_step()} from a healthy group, not from disk")
+        if self.global_rank == 0:
+            print(f"{self.tag} healed at step {self.manager.current_step()} from a healthy group, not from disk")
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):

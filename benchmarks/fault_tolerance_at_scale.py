@@ -5,6 +5,7 @@ with --max_restarts=1). The same data, model and batch (2 x 32 samples a step, 3
 
     python benchmarks/fault_tolerance_at_scale.py                       # 8 epochs, a snapshot every 2, kill at step 100
     python benchmarks/fault_tolerance_at_scale.py --epochs 8 --save_every 2 --kill_at 100
+    python benchmarks/fault_tolerance_at_scale.py --workload wide       # steps ~10x slower: the redone steps show
 
 Times come from the recorder (tools/jobs): the moment every optimizer step of every process began. Restarting the
 world, every rank stops; the job redoes the steps since its last snapshot, and is "back" when it reaches the step the
@@ -27,7 +28,8 @@ STEPS_PER_EPOCH = 32  # 2048 samples, 2 x 32 a step
 
 def restart_the_world(args, workdir):
     """multigpu_torchrun.py on 2 ranks, rank 1 SIGKILLed before its optimizer step --kill_at; torchrun restarts both."""
-    command = torchrun("multigpu_torchrun.py", args.epochs, args.save_every, launcher_args=["--max_restarts=1"])
+    command = torchrun("multigpu_torchrun.py", args.epochs, args.save_every, "--workload", args.workload,
+                       launcher_args=["--max_restarts=1"])
     with start(command, cwd=workdir, record_steps=True, kill_at_step=(0, 1, args.kill_at)) as job:
         job.wait(args.timeout)
     require_ok(job)
@@ -44,8 +46,8 @@ def restart_the_world(args, workdir):
 def replica_groups_job(args, workdir):
     """fault_tolerant.py, 2 groups of 1 rank; group 1's worker SIGKILLed before its optimizer step --kill_at."""
     port = free_port()
-    commands = [lighthouse(port), *replica_groups("fault_tolerant.py", args.epochs, args.save_every, port=port,
-                                                  launcher_args=["--max_restarts=1"])]
+    commands = [lighthouse(port), *replica_groups("fault_tolerant.py", args.epochs, args.save_every, "--workload",
+                                                  args.workload, port=port, launcher_args=["--max_restarts=1"])]
     with start(*commands, cwd=workdir, services=1, record_steps=True,
                node_env=[{}, {}, {"JOB_KILL_AT_STEP": f"0:0:{args.kill_at}"}]) as job:
         job.wait(args.timeout)
@@ -69,8 +71,8 @@ def require_ok(job):
 
 def report(args, world, groups):
     print(machine_summary())
-    print(f"the same kill before optimizer step {args.kill_at} of one worker; {args.epochs} epochs of "
-          f"{STEPS_PER_EPOCH} steps, 2 x 32 samples a step, a snapshot every {args.save_every} epochs")
+    print(f"the same kill before optimizer step {args.kill_at} of one worker; --workload {args.workload}, {args.epochs} "
+          f"epochs of {STEPS_PER_EPOCH} steps, 2 x 32 samples a step, a snapshot every {args.save_every} epochs")
     print("| strategy | steps trained again | the others stood still | back at the step of the kill | "
           "samples not trained |")
     print("|---|---|---|---|---|")
@@ -88,6 +90,8 @@ def main():
     parser.add_argument("--epochs", type=positive_int, default=8)
     parser.add_argument("--save_every", type=positive_int, default=2, help="epochs between snapshots")
     parser.add_argument("--kill_at", type=positive_int, default=100, help="the optimizer step killed (from 1)")
+    parser.add_argument("--workload", default="synthetic", choices=["synthetic", "wide"],
+                        help="wide: the same data on a ~1M-parameter model, each step ~10x slower")
     parser.add_argument("--timeout", type=positive_int, default=300, help="seconds before a job is given up")
     args = parser.parse_args()
     if not args.save_every * STEPS_PER_EPOCH < args.kill_at < (args.epochs - 1) * STEPS_PER_EPOCH:

@@ -645,7 +645,7 @@ def test_long_run_reads_its_jobs_windows_its_rounds_and_each_files_memory(monkey
 
 
 def test_fault_tolerance_at_scale_reports_both_strategies_side_by_side(capsys):
-    args = Namespace(kill_at=100, epochs=8, save_every=2)
+    args = Namespace(kill_at=100, epochs=8, save_every=2, workload="synthetic")
     benchmark("fault_tolerance_at_scale").report(
         args, dict(reached=99, redone=35, ranks=2, stall=2.5, back=2.75),
         dict(stall=2.1, redone=1, alone=30, healed=131, equal_at_end=True))

@@ -123,8 +123,8 @@ LARGER_BUDGETS = {
     # each step's batch read by its number from the group's share, a line per step with the participants and a digest
     # of the weights (the proof a learner sees), a step that did not commit said in one line; --group and --groups,
     # --lighthouse; fsdp.py's --strategy ddp taken out. Against its issue's (-, 80): the epoch loop that is replaced
-    # counts twice, once removed and once as the step loop: 217 lines, 151 changed.
-    "fault_tolerant.py": (217, 151),
+    # counts twice, once removed and once as the step loop: 218 lines, 152 changed.
+    "fault_tolerant.py": (218, 152),
 }
 BLOCK = re.compile(r"(<!-- diff (\S+) (\S+) -->\n)(.*?)(<!-- end diff -->)", re.S)
 
