@@ -2,10 +2,12 @@
 
 Runs in runs/demo/ so checkpoints and snapshots land there, prints each command before running it and what it
 printed, then a summary of the loss each step started and ended with. Every step is bounded: one that fails or
-runs past --timeout stops the demo with a line that names it and where its log is.
+runs past --timeout stops the demo with a line that names it and where its log is. Step 13 (replica groups) has one
+of its groups SIGKILLed while it runs, and shows the lines that tell what followed, not every step's.
 """
 import argparse
 import os
+import re
 import shutil
 import sys
 import time
@@ -14,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
-from tools.jobs import (REPO, free_port, machine_summary, output, python, run, shown, torchrun,  # noqa: E402
-                        torchrun_node)
+from tools.jobs import (REPO, free_port, lighthouse, machine_summary, output, python, replica_groups,  # noqa: E402
+                        run, shown, start, torchrun, torchrun_node)
 from utils.gpt import TEXT_VARIABLE, help_pages  # noqa: E402
 
 EPOCHS, SAVE_EVERY = 5, 2
@@ -23,6 +25,14 @@ GPT_EPOCHS = 4  # on a CPU an epoch of the help pages takes ~5 s on 2 quiet core
 TP_EPOCHS, TP_CHARS = 2, 40_000  # step 7 on a CPU: 4 processes share the cores, so the help pages' start only
 RUN_DIR = REPO / "runs" / "demo"
 GPUS = torch.cuda.device_count()
+# Step 13: two groups of one process (one GPU each where there are 2, else the CPU), 32 steps an epoch. Group 1 is
+# killed once both have trained FT_KILL_AFTER steps together, before any snapshot: all it comes back with is group 0's.
+# The survivor must still be training when torchrun has started group 1 again. On 2 CPU cores that took 2.3 s at a
+# load of 1.5 (2 s of it the lighthouse's wait for the dead group's heartbeat; back after group 0's 4th step alone),
+# 8 s at a load of 5 (back after 54 to 67 steps alone), 11 s at 6 (not back within 245). 8 epochs leave 245 steps
+# after the kill; on GPUs a step is quicker and a start slower, hence more epochs (not measured).
+FT_EPOCHS, FT_KILL_AFTER = (16 if GPUS >= 2 else 8), 10
+NOTICE = re.compile(r"[WEI]\d{4} [\d:.]+ \d+ \S+\] (.*)")  # a torchrun log record, as output.Narrator reads them
 
 
 def where(path):
@@ -40,10 +50,126 @@ def show(title, *commands, timeout, narrated=False, env=None, **options):
     job = run(*commands, cwd=RUN_DIR, logs=RUN_DIR / name, gpu=True, timeout=timeout, check=False,
               env={"OMP_NUM_THREADS": None, **(env or {})}, **options)
     print(job.output.rstrip() if narrated else "\n".join(output.own_lines(job.output)), flush=True)
+    return require_ok(title, job, timeout)
+
+
+def require_ok(title, job, timeout):
+    """The finished job; or the demo stops with one line naming the step, why, and where its log is."""
     if not job.ok:
         why = f"still running after {timeout} s" if job.timed_out else f"exit codes {job.codes}"
         sys.exit(f"demo: '{title}' failed ({why}; its log: {where(job.logs_dir)}/)")
     return job
+
+
+def show_replica_groups(title, epochs, kill_after, timeout):
+    """Step 13 as a learner runs it: a lighthouse, then one torchrun per group (--max_restarts=1: a group's torchrun
+    starts it again once), each command echoed. Once group 1 has printed step `kill_after` with both groups in it, its
+    rank 0 is SIGKILLed from outside; the job runs to its end. Then its lines, short (replica_lines), the kill and what
+    followed narrated; the finished job, its kill's note on its timeline."""
+    print(f"\n=== {title}", flush=True)
+    port, folder = free_port(), RUN_DIR / "fault_tolerant"
+    commands = [lighthouse(port), *replica_groups("fault_tolerant.py", epochs, SAVE_EVERY, port=port,
+                                                  launcher_args=["--max_restarts=1"])]
+    for command in commands:
+        print("$", shown(command), flush=True)
+    # Each group one GPU of its own where there are two: NCCL takes no two ranks on one GPU; else both on the CPU.
+    devices = ["0", "1"] if GPUS >= 2 else ["", ""]
+    folder.mkdir()  # its files (snapshot-group0/, model_full.pt...) beside its logs: step 5's model_full.pt stays
+    deadline = time.monotonic() + timeout
+    with start(*commands, cwd=folder, gpu=True, services=1, env={"OMP_NUM_THREADS": None},
+               node_env=[{}, *({"CUDA_VISIBLE_DEVICES": device} for device in devices)]) as job:
+        together = re.compile(r"\[group 1 .*\] step (\d+) \| participants 2 ")
+        try:
+            while int(job.wait_for(together, timeout=max(1.0, deadline - time.monotonic()))[1]) < kill_after:
+                pass
+        except AssertionError:  # the job ended, or ran past the deadline, before group 1 got there
+            job.wait(timeout=0)
+            require_ok(title, job, timeout)
+            sys.exit(f"demo: '{title}' failed (group 1 never printed step {kill_after} with both groups in it; its "
+                     f"log: {where(job.logs_dir)}/)")
+        job.kill_worker(rank=0, node=2, nproc=1)
+        job.wait(timeout=max(1.0, deadline - time.monotonic()))
+    for line in replica_lines(job):
+        print(line, flush=True)
+    return require_ok(title, job, timeout)
+
+
+def replica_lines(job):
+    """Step 13's job in the lines that tell what happened, in the order they were printed: of each stretch of a group's
+    step lines with the same participants, the first and the last, and how many were left out between them; the other
+    lines of the groups' own but their snapshots'; torchrun's records as `torchrun (group G): ...`; and `>>>` lines
+    that say what happened: a group that joined late at the start, the kill, the killed group's return, the end."""
+    lines, stretches = [], {}  # {group: [participants, its stretch's held-back last line, how many left out]}
+    facts = replica_facts(job)
+
+    def end(group):  # the group's stretch is over: its last line, after the count of those left out before it
+        participants, held, left_out = stretches.pop(group, (None, None, 0))
+        if left_out:
+            lines.append(f"   ... {left_out} more step(s) of group {group}, participants {participants}")
+        if held:
+            lines.append(held)
+
+    for _, node, line in job.timeline:
+        step = output.GROUP_STEP.search(line)
+        group = int(step["group"]) if step else None
+        if node is None:  # the note kill_worker left, "SIGKILL to rank 0 (pid N)": the stretches end at the kill
+            for open_group in list(stretches):
+                end(open_group)
+            lines.append(f">>> SIGKILL -> group 1's rank 0 ({line.split('(')[1]}, from outside, after its step "
+                         f"{facts['killed_at']}: group 0 trains on; torchrun starts group 1 again (--max_restarts=1)")
+        elif step and stretches.get(group, [None])[0] == int(step["participants"]):
+            stretch = stretches[group]
+            stretch[1], stretch[2] = line, stretch[2] + (stretch[1] is not None)
+        elif step:
+            end(group)
+            lines.append(line)
+            stretches[group] = [int(step["participants"]), None, 0]
+        elif node and (NOTICE.match(line) or not output.noise(line)) and not output.SAVED.search(line):
+            end(node - 1)
+            lines.append(f"   torchrun (group {node - 1}): {NOTICE.match(line)[1]}" if NOTICE.match(line) else line)
+            healed = output.HEALED.search(line)
+            if healed and int(healed["step"]) <= facts["killed_at"]:
+                other = 1 - int(healed["group"])
+                lines.append(f">>> group {healed['group']} joined at step {healed['step']}, after group {other} had "
+                             f"begun without it (the lighthouse waits for one group: --min_replicas 1): it took group "
+                             f"{other}'s state, as a group that comes back does")
+            elif healed:
+                lines.append(f">>> group 1 is back: torchrun started it again, and it took group 0's weights and "
+                             f"optimizer state at step {healed['step']} over the network ({facts['disk']}); from that "
+                             "step on, both groups print the same weights")
+    for open_group in list(stretches):
+        end(open_group)
+    first, final = facts["survivor"][0], facts["survivor"][-1]
+    if facts["back"] is None:
+        lines.append(f">>> group 1 was not back before group 0 had finished (its start took longer than group 0's "
+                     f"{facts['alone']} steps alone, on a busy machine): with no group to heal from, it trained alone "
+                     "from its own start")
+    lines.append(f">>> group 0 {'never stopped' if facts['unbroken'] else 'skipped or repeated steps'}: steps {first} "
+                 f"to {final}, {facts['alone']} of them alone after the kill, {facts['redone']} done again; the groups "
+                 f"end {'with the same' if facts['equal'] else 'with different'} weights")
+    return lines
+
+
+def replica_facts(job):
+    """What step 13's job did, from its lines and its timeline (the kill's note on it): the step group 1 printed last
+    before the kill, the step it healed at after it (None if it never did), whether it had a snapshot on disk, the
+    steps group 0 committed in order, whether they ran on unbroken (each the one before + 1), how many it took alone
+    after the kill and did again, and whether the groups ended with the same weights."""
+    killed = next(index for index, (_, node, _) in enumerate(job.timeline) if node is None)
+    before = [int(match["step"]) for _, node, line in job.timeline[:killed] if node == 2
+              for match in [output.GROUP_STEP.search(line)] if match]
+    after = [int(match["step"]) for _, node, line in job.timeline[killed:] if node == 2
+             for match in [output.HEALED.search(line)] if match]
+    survivor = [int(match["step"]) for match in output.GROUP_STEP.finditer(job.node_output(1))]
+    steps = output.group_steps(job.output)
+    final = max(steps[0])
+    return dict(killed_at=before[-1], back=after[-1] if after else None, survivor=survivor,
+                disk="its snapshot on disk was older" if output.RESUMED.search(job.node_output(2)) else
+                "it had saved no snapshot yet",
+                unbroken=survivor == list(range(survivor[0], final + 1)),
+                alone=sum(line["participants"] == 1 for step, line in steps[0].items() if step > before[-1]),
+                redone=len(output.NOT_COMMITTED.findall(job.node_output(1))),
+                equal=final in steps.get(1, {}) and steps[0][final]["weights"] == steps[1][final]["weights"])
 
 
 def main():
@@ -114,6 +240,11 @@ def main():
                                torchrun("long_run.py", 24, 12, "--data", data[0], "--global_batch", 16, "--log_every",
                                         6, "--eval_every", 12, *(["--precision", "bf16"] if GPUS else []),
                                         "--pp", pp, "--tp", tp, nproc=pp * tp), timeout=args.timeout)
+    # Step 13: two replica groups under torchft; group 1 SIGKILLed from outside, group 0 trains on, group 1 comes back
+    # and takes group 0's state (show_replica_groups). Its files in runs/demo/fault_tolerant/.
+    jobs["fault_tolerant.py"] = show_replica_groups(
+        "Step 13: two replica groups under torchft: one is SIGKILLed, the other trains on, the killed one heals",
+        FT_EPOCHS, FT_KILL_AFTER, timeout=args.timeout)
 
     fault = show("Step 3 under fire: a worker SIGKILLed, torchrun restarts the group, the job resumes",
                  python("tools/fault_demo.py", "--timeout", args.timeout), timeout=args.timeout + 30, narrated=True)
@@ -126,6 +257,15 @@ def main():
         elif losses:  # one epoch: its mean training loss, then the held-out loss of the weights it ended with
             held_out = output.held_out(job.output)["loss"]
             print(f"{step:22} loss {losses[0]:.4f} (epoch 0's mean) -> held-out {held_out:.4f} (after it)")
+        elif groups := output.group_steps(job.output):  # replica groups: a line per step and group
+            facts, first = replica_facts(job), min(min(steps) for steps in groups.values())
+            start_loss = next(steps[first]["loss"] for steps in groups.values() if first in steps)
+            last, end = max(groups[0]), groups[0][max(groups[0])]
+            back = f"healed at step {facts['back']}" if facts["back"] is not None else "not back in time"
+            weights = f"both end at weights {end['weights']}" if facts["equal"] else "the groups end apart"
+            print(f"{step:22} loss {start_loss:.4f} (step {first}) -> {end['loss']:.4f} (step {last}); group 0 "
+                  f"{'never stopped' if facts['unbroken'] else 'skipped steps'} ({facts['alone']} steps alone), "
+                  f"group 1 {back}; {weights}")
         else:  # the long run reports windows of steps, and the held-out loss from step 0 on
             lines, held_out = output.step_lines(job.output), output.held_out_losses(job.output)
             before, after = held_out[0], held_out[-1]
