@@ -3,20 +3,20 @@ same optimizer step, in a job that restarts the world (step 3, multigpu_torchrun
 and in a job of replica groups (step 13, fault_tolerant.py: two groups of one rank, a lighthouse, each group's torchrun
 with --max_restarts=1). The same data, model and batch (2 x 32 samples a step, 32 steps an epoch).
 
-    python benchmarks/fault_tolerance_at_scale.py                       # 8 epochs, a snapshot every 2, kill at step 100
-    python benchmarks/fault_tolerance_at_scale.py --epochs 8 --save_every 2 --kill_at 100
+    python benchmarks/fault_tolerance_at_scale.py                       # a snapshot every 2 epochs, kill at step 100
+    python benchmarks/fault_tolerance_at_scale.py --save_every 2 --kill_at 100
     python benchmarks/fault_tolerance_at_scale.py --workload wide       # steps ~10x slower: the redone steps show
 
-Times come from the recorder (tools/jobs): the moment every optimizer step of every process began. Restarting the
-world, every rank stops; the job redoes the steps since its last snapshot, and is "back" when it reaches the step the
-kill interrupted. Replica groups: the other group never stops; its longest wait is the lighthouse's heartbeat timeout
+Times come from the recorder (tools/jobs): the moment every optimizer step of every process began. Each job is stopped
+once it has shown what it costs (they are given more epochs than they take). Restarting the world, every rank stops;
+the job redoes the steps since its last snapshot, and is "back" when it reaches the step the kill interrupted. Replica groups: the other group never stops; its longest wait is the lighthouse's heartbeat timeout
 (2 s here) before it takes the dead group for dead; the killed group's share of the data is not trained while it is
 away (the global batch halves), and it comes back with the healthy group's state at the step the job is at.
 """
 import argparse
-import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,75 +27,88 @@ STEPS_PER_EPOCH = 32  # 2048 samples, 2 x 32 a step
 
 
 def restart_the_world(args, workdir):
-    """multigpu_torchrun.py on 2 ranks, rank 1 SIGKILLed before its optimizer step --kill_at; torchrun restarts both."""
+    """multigpu_torchrun.py on 2 ranks, rank 1 SIGKILLed before its optimizer step --kill_at; torchrun restarts both.
+    The job is stopped once rank 0 of the new attempt has trained past the step the kill interrupted."""
     command = torchrun("multigpu_torchrun.py", args.epochs, args.save_every, "--workload", args.workload,
                        launcher_args=["--max_restarts=1"])
     with start(command, cwd=workdir, record_steps=True, kill_at_step=(0, 1, args.kill_at)) as job:
-        job.wait(args.timeout)
-    require_ok(job)
-    rank0 = [step for step in job.steps if step["rank"] == 0]
-    first, second = ([step for step in rank0 if step["restart"] == attempt] for attempt in (0, 1))
+        resumed = int(job.wait_for(output.RESUMED, timeout=args.timeout)["epoch"]) * STEPS_PER_EPOCH
+        first, second = until(job, args.timeout, lambda first, second: len(second) > len(first) - resumed)
     reached = len(first)  # optimizer steps rank 0 took before the job stopped (numbered from 1)
-    killed = max(step["at"] for step in job.steps if step["restart"] == 0)
-    resumed = int(re.search(r"resuming from epoch (\d+), restart 1", job.output)[1]) * STEPS_PER_EPOCH
-    back = second[reached - resumed - 1]["at"] if len(second) >= reached - resumed else None
-    return dict(reached=reached, redone=reached - resumed, ranks=2, stall=second[0]["at"] - killed,
-                back=None if back is None else back - killed)
+    killed = first[-1]["at"]
+    back = second[reached - resumed - 1]["at"]
+    return dict(reached=reached, redone=reached - resumed, ranks=2, stall=second[0]["at"] - killed, back=back - killed)
+
+
+def until(job, timeout, done):
+    """Rank 0's recorded steps of the first and the second attempt, once done(first, second) holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rank0 = [step for step in job.steps if step["rank"] == 0]
+        first, second = ([step for step in rank0 if step["restart"] == attempt] for attempt in (0, 1))
+        if done(first, second):
+            return first, second
+        if not job.running() or time.monotonic() > deadline:
+            sys.exit(f"error: the job {'ended' if not job.running() else 'ran past --timeout'} before it was back "
+                     f"at the step of the kill; its output ends:\n{job.output[-3000:]}")
+        time.sleep(0.2)
 
 
 def replica_groups_job(args, workdir):
-    """fault_tolerant.py, 2 groups of 1 rank; group 1's worker SIGKILLed before its optimizer step --kill_at."""
+    """fault_tolerant.py, 2 groups of 1 rank; group 1's worker SIGKILLed before its optimizer step --kill_at. The job
+    is stopped once group 1, restarted by its torchrun, has healed and trained 10 steps with group 0."""
     port = free_port()
     commands = [lighthouse(port), *replica_groups("fault_tolerant.py", args.epochs, args.save_every, "--workload",
                                                   args.workload, port=port, launcher_args=["--max_restarts=1"])]
     with start(*commands, cwd=workdir, services=1, record_steps=True,
                node_env=[{}, {}, {"JOB_KILL_AT_STEP": f"0:0:{args.kill_at}"}]) as job:
-        job.wait(args.timeout)
-    require_ok(job)
+        job.wait_for(r"failed \(exitcode: -9\)", timeout=args.timeout)  # group 1's torchrun saw its worker die
+        healed = int(job.wait_for(output.HEALED, timeout=args.timeout)["step"])
+        step = -1
+        while step < healed + 10:
+            match = job.wait_for(output.GROUP_STEP, timeout=args.timeout)
+            step = int(match["step"]) if match["group"] == "1" else step
+        job.new_lines()
     steps = output.group_steps(job.output)
     by_process = {}
-    for step in job.steps:
-        by_process.setdefault(step["pid"], []).append(step["at"])
+    for record in job.steps:
+        by_process.setdefault(record["pid"], []).append(record["at"])
     survivor = max(by_process.values(), key=len)  # group 0's one process: it took every step of the job
     stall = max(later - earlier for earlier, later in zip(survivor, survivor[1:]))
-    alone = [step for step, line in steps[0].items() if line["participants"] == 1 and step > min(steps[1])]
-    healed = [int(match["step"]) for match in output.HEALED.finditer(job.node_output(2))]
+    killed_at = max(step for step, line in steps[1].items() if step < healed)
+    alone = [step for step, line in steps[0].items() if killed_at < step and line["participants"] == 1]
+    together = [step for step in steps[1] if step > healed and step in steps[0]]
     return dict(stall=stall, redone=len(output.NOT_COMMITTED.findall(job.node_output(1))), alone=len(alone),
-                healed=healed[-1], equal_at_end=steps[0][max(steps[0])]["weights"] == steps[1][max(steps[1])]["weights"])
-
-
-def require_ok(job):
-    if not job.ok:
-        sys.exit(f"error: {job.describe()}; its output ends:\n{job.output[-3000:]}")
+                healed=healed, equal_after=all(steps[0][step]["weights"] == steps[1][step]["weights"]
+                                               for step in together))
 
 
 def report(args, world, groups):
     print(machine_summary())
-    print(f"the same kill before optimizer step {args.kill_at} of one worker; --workload {args.workload}, {args.epochs} "
-          f"epochs of {STEPS_PER_EPOCH} steps, 2 x 32 samples a step, a snapshot every {args.save_every} epochs")
+    print(f"the same kill before optimizer step {args.kill_at} of one worker; --workload {args.workload}, "
+          f"{STEPS_PER_EPOCH} steps an epoch, 2 x 32 samples a step, a snapshot every {args.save_every} epochs")
     print("| strategy | steps trained again | the others stood still | back at the step of the kill | "
           "samples not trained |")
     print("|---|---|---|---|---|")
-    back = "never (the job ended first)" if world["back"] is None else f"{world['back']:.2f} s after the kill"
     print(f"| restart the world (step 3) | {world['redone']} x {world['ranks']} ranks (since the snapshot) | "
-          f"{world['stall']:.2f} s (every rank) | {back} | 0 |")
+          f"{world['stall']:.2f} s (every rank) | {world['back']:.2f} s after the kill | 0 |")
     print(f"| replica groups (step 13) | {groups['redone']} | {groups['stall']:.2f} s (the survivor's longest wait) | "
           f"never stopped (group 1 back at step {groups['healed']}) | {groups['alone'] * 32} "
           f"({groups['alone']} steps of group 1's share) |")
-    print(f"groups equal at the end: {groups['equal_at_end']}")
+    print(f"the groups equal after the heal: {groups['equal_after']}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=positive_int, default=8)
+    parser.add_argument("--epochs", type=positive_int, default=50, help="more than the jobs take: they are stopped")
     parser.add_argument("--save_every", type=positive_int, default=2, help="epochs between snapshots")
     parser.add_argument("--kill_at", type=positive_int, default=100, help="the optimizer step killed (from 1)")
     parser.add_argument("--workload", default="synthetic", choices=["synthetic", "wide"],
                         help="wide: the same data on a ~1M-parameter model, each step ~10x slower")
     parser.add_argument("--timeout", type=positive_int, default=300, help="seconds before a job is given up")
     args = parser.parse_args()
-    if not args.save_every * STEPS_PER_EPOCH < args.kill_at < (args.epochs - 1) * STEPS_PER_EPOCH:
-        parser.error("--kill_at must come after the first snapshot and leave an epoch to train after it")
+    if not args.save_every * STEPS_PER_EPOCH < args.kill_at < (args.epochs - 10) * STEPS_PER_EPOCH:
+        parser.error("--kill_at must come after the first snapshot and leave ten epochs to train after it")
     with tempfile.TemporaryDirectory(prefix="fault-tolerance-") as workdir:
         world = restart_the_world(args, Path(workdir) / "world")
         groups = replica_groups_job(args, Path(workdir) / "groups")

@@ -648,7 +648,7 @@ def test_fault_tolerance_at_scale_reports_both_strategies_side_by_side(capsys):
     args = Namespace(kill_at=100, epochs=8, save_every=2, workload="synthetic")
     benchmark("fault_tolerance_at_scale").report(
         args, dict(reached=99, redone=35, ranks=2, stall=2.5, back=2.75),
-        dict(stall=2.1, redone=1, alone=30, healed=131, equal_at_end=True))
+        dict(stall=2.1, redone=1, alone=30, healed=131, equal_after=True))
     rows = table_rows(capsys.readouterr().out)
     assert rows == [
         "| restart the world (step 3) | 35 x 2 ranks (since the snapshot) | 2.50 s (every rank) | 2.75 s after the kill "
@@ -659,15 +659,13 @@ def test_fault_tolerance_at_scale_reports_both_strategies_side_by_side(capsys):
 
 @pytest.mark.slow
 def test_fault_tolerance_at_scale_measures_a_real_kill_under_each_strategy(monkeypatch, capsys):
-    """Both jobs for real, with a kill before step 70 of 6 epochs (a snapshot every epoch): restarting the world redoes
-    the steps since the snapshot of step 64 on both ranks; the replica groups redo at most the step in flight, their
-    survivor's longest wait is under the job's timeout, and the groups end equal (the killed group is back before the
-    end: a group that returns after the others finished would train on alone, from its own snapshot)."""
-    text = run_benchmark(monkeypatch, capsys, "fault_tolerance_at_scale.py", "--epochs", 6, "--save_every", 1,
-                         "--kill_at", 70)
+    """Both jobs for real, with a kill before step 70 and a snapshot every epoch: restarting the world redoes the steps
+    since the snapshot of step 64 on both ranks; the replica groups redo at most the step in flight, their survivor's
+    longest wait is under the job's timeout, and the groups are equal after the heal."""
+    text = run_benchmark(monkeypatch, capsys, "fault_tolerance_at_scale.py", "--save_every", 1, "--kill_at", 70)
     world, groups = table_rows(text)
     redone = re.search(r"\| (\d+) x 2 ranks \(since the snapshot\) \| ([\d.]+) s \(every rank\)", world)
     assert redone and int(redone[1]) in (5, 6), world  # rank 0 stops at step 69 or 70; the snapshot is of step 64
     assert re.search(r"^\| replica groups \(step 13\) \| [01] \| ([\d.]+) s", groups), groups
     assert float(re.search(r"\| ([\d.]+) s \(the survivor", groups)[1]) < 10, groups
-    assert "groups equal at the end: True" in text, text
+    assert "the groups equal after the heal: True" in text, text
