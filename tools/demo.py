@@ -27,10 +27,12 @@ RUN_DIR = REPO / "runs" / "demo"
 GPUS = torch.cuda.device_count()
 # Step 13: two groups of one process (one GPU each where there are 2, else the CPU), 32 steps an epoch. Group 1 is
 # killed once both have trained FT_KILL_AFTER steps together, before any snapshot: all it comes back with is group 0's.
-# The survivor must still be training when torchrun has started group 1 again. On 2 CPU cores that took 2.3 s at a
-# load of 1.5 (2 s of it the lighthouse's wait for the dead group's heartbeat; back after group 0's 4th step alone),
-# 8 s at a load of 5 (back after 54 to 67 steps alone), 11 s at 6 (not back within 245). 8 epochs leave 245 steps
-# after the kill; on GPUs a step is quicker and a start slower, hence more epochs (not measured).
+# The survivor must still be training when torchrun has started group 1 again, and alone it is quick (a step every 16
+# to 28 ms on 2 CPU cores, against 40 ms and more with both groups: no all-reduce between them), while a start, mostly
+# `import torch`, is slow: 2.3 s after the kill at a load of 1.5 (2 s of it the lighthouse's wait for the dead group's
+# heartbeat), 8 s at a load of 5, 11 s at 6. 8 epochs leave 245 steps after the kill: enough up to a load of about 5
+# (at 6 to 7, 3 tries in 4 ended before group 1 was back, and the demo says so); each step more costs 40 ms on a quiet
+# machine, 200 ms on a busy one. On GPUs a step is quicker and a start slower, hence more epochs (not measured).
 FT_EPOCHS, FT_KILL_AFTER = (16 if GPUS >= 2 else 8), 10
 NOTICE = re.compile(r"[WEI]\d{4} [\d:.]+ \d+ \S+\] (.*)")  # a torchrun log record, as output.Narrator reads them
 
