@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.jobs import free_port, lighthouse, machine_summary, output, replica_groups, start, torchrun  # noqa: E402
+from tools.jobs import (free_port, healed_after_training, lighthouse, machine_summary, output,  # noqa: E402
+                        replica_groups, start, torchrun)
 from utils import positive_int  # noqa: E402
 
 STEPS_PER_EPOCH = 32  # 2048 samples, 2 x 32 a step
@@ -62,8 +63,7 @@ def replica_groups_job(args, workdir):
                                                   args.workload, port=port, launcher_args=["--max_restarts=1"])]
     with start(*commands, cwd=workdir, services=1, record_steps=True,
                node_env=[{}, {}, {"JOB_KILL_AT_STEP": f"0:0:{args.kill_at}"}]) as job:
-        job.wait_for(r"failed \(exitcode: -9\)", timeout=args.timeout)  # group 1's torchrun saw its worker die
-        healed = int(job.wait_for(output.HEALED, timeout=args.timeout)["step"])
+        healed = healed_after_training(job, 1, timeout=args.timeout)
         step = -1
         while step < healed + 10:
             match = job.wait_for(output.GROUP_STEP, timeout=args.timeout)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from expect import assert_only_own_lines
-from tools.jobs import free_port, lighthouse, output, replica_groups, run, start, torchrun
+from tools.jobs import free_port, healed_after_training, lighthouse, output, replica_groups, run, start, torchrun
 from tools.jobs.processes import descendant_pids
 
 SYNTHETIC = 2048  # training samples of the default workload: 32 steps an epoch at 2 x 32 samples a step
@@ -37,12 +37,6 @@ def until_step(job, group, step, timeout=120):
         match = job.wait_for(output.GROUP_STEP, timeout=timeout)
         seen = int(match["step"]) if match["group"] == str(group) else seen
     job.new_lines()
-
-
-def back_after_a_kill(job, timeout=120):
-    """Follow the job until group 1's torchrun has seen its worker die (SIGKILL) and the group has healed: that step."""
-    job.wait_for(r"failed \(exitcode: -9\)", timeout=timeout)
-    return int(job.wait_for(output.HEALED, timeout=timeout)["step"])
 
 
 def step_lines(job, node):
@@ -120,7 +114,7 @@ def killed(tmp_path_factory):
     back, has trained 30 steps with group 0 (on a busy machine the restart alone can take 10 s). (job, the heal's step)"""
     with groups_job(tmp_path_factory.mktemp("killed"), 1000, 2, restarts=1, record=True,
                     node_env=[{}, {}, {"JOB_KILL_AT_STEP": "0:0:100"}]) as job:
-        back = back_after_a_kill(job)
+        back = healed_after_training(job, 1)
         until_step(job, 1, back + 30)
     return job, back
 
@@ -162,7 +156,7 @@ def test_an_hsdp_group_that_loses_one_rank_comes_back_whole_with_the_others_shar
     group 1 has trained 20 steps after its heal."""
     with groups_job(tmp_path, 100, 10, nproc=2, restarts=1, record=True,
                     node_env=[{}, {}, {"JOB_KILL_AT_STEP": "0:1:60"}]) as job:
-        back = back_after_a_kill(job)
+        back = healed_after_training(job, 1)
         until_step(job, 1, back + 20)
     survivor = {step: weights for _, step, _, weights in step_lines(job, node=1)}
     returned = [(step, weights) for _, step, _, weights in step_lines(job, node=2) if step >= back]

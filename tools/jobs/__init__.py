@@ -98,6 +98,21 @@ def replica_groups(name, *args, port, groups=2, nproc=1, launcher_args=()):
                      nproc=nproc, launcher_args=launcher_args) for group in range(groups)]
 
 
+def healed_after_training(job, group, timeout=120):
+    """Follow a job of step 13's replica groups until `group` has printed a step and then healed: the step it healed
+    at. A group that starts later than the others heals before its first step; one killed after it trained heals
+    again when its torchrun has started it anew (which torchrun reports with the first exit code it saw: the killed
+    worker's, or its peer's), and that is the heal this waits for."""
+    def of_group(pattern):
+        while True:
+            match = job.wait_for(pattern, timeout=timeout)
+            if match["group"] == str(group):
+                return match
+
+    of_group(output.GROUP_STEP)
+    return int(of_group(output.HEALED)["step"])
+
+
 def shown(command):
     """A command as a learner types it: `python`, `torchrun` and the repository's files by their own names."""
     text = " ".join(map(str, command)).replace(" ".join(TORCHRUN), "torchrun").replace(PYTHON, "python")
