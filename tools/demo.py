@@ -30,9 +30,11 @@ GPUS = torch.cuda.device_count()
 # The survivor must still be training when torchrun has started group 1 again, and alone it is quick (a step every 16
 # to 28 ms on 2 CPU cores, against 40 ms and more with both groups: no all-reduce between them), while a start, mostly
 # `import torch`, is slow: 2.3 s after the kill at a load of 1.5 (2 s of it the lighthouse's wait for the dead group's
-# heartbeat), 8 s at a load of 5, 11 s at 6. 8 epochs leave 245 steps after the kill: enough up to a load of about 5
-# (at 6 to 7, 3 tries in 4 ended before group 1 was back, and the demo says so); each step more costs 40 ms on a quiet
-# machine, 200 ms on a busy one. On GPUs a step is quicker and a start slower, hence more epochs (not measured).
+# heartbeat), 8 s at a load of 5, 11 s at 6. 8 epochs leave 245 steps after the kill: group 1 was back in time at a
+# load of 1.5, and in 4 tries of 8 at loads of 4.6 to 7 (the demo says so when it is not); each step more costs 40 ms
+# on a quiet machine, 200 ms on a busy one. A step that is compute, slowed by a load as a start is (the wide model in
+# batches of 256), would keep that balance at any load, but makes the healthy group crash while it sends its state.
+# On GPUs a step is quicker and a start slower, hence more epochs (not measured).
 FT_EPOCHS, FT_KILL_AFTER = (16 if GPUS >= 2 else 8), 10
 NOTICE = re.compile(r"[WEI]\d{4} [\d:.]+ \d+ \S+\] (.*)")  # a torchrun log record, as output.Narrator reads them
 
