@@ -3,7 +3,8 @@
 Runs in runs/demo/ so checkpoints and snapshots land there, prints each command before running it and what it
 printed, then a summary of the loss each step started and ended with. Every step is bounded: one that fails or
 runs past --timeout stops the demo with a line that names it and where its log is. Step 13 (replica groups) has one
-of its groups SIGKILLed while it runs, and shows the lines that tell what followed, not every step's.
+of its groups SIGKILLed while it runs and is stopped once that group is back; it shows the lines that tell what
+happened, not every step's.
 """
 import argparse
 import os
@@ -27,15 +28,12 @@ RUN_DIR = REPO / "runs" / "demo"
 GPUS = torch.cuda.device_count()
 # Step 13: two groups of one process (one GPU each where there are 2, else the CPU), 32 steps an epoch. Group 1 is
 # killed once both have trained FT_KILL_AFTER steps together, before any snapshot: all it comes back with is group 0's.
-# The survivor must still be training when torchrun has started group 1 again, and alone it is quick (a step every 16
-# to 28 ms on 2 CPU cores, against 40 ms and more with both groups: no all-reduce between them), while a start, mostly
-# `import torch`, is slow: 2.3 s after the kill at a load of 1.5 (2 s of it the lighthouse's wait for the dead group's
-# heartbeat), 8 s at a load of 5, 11 s at 6. 8 epochs leave 245 steps after the kill: group 1 was back in time at a
-# load of 1.5, and in 4 tries of 8 at loads of 4.6 to 7 (the demo says so when it is not); each step more costs 40 ms
-# on a quiet machine, 200 ms on a busy one. A step that is compute, slowed by a load as a start is (the wide model in
-# batches of 256), would keep that balance at any load, but makes the healthy group crash while it sends its state.
-# On GPUs a step is quicker and a start slower, hence more epochs (not measured).
-FT_EPOCHS, FT_KILL_AFTER = (16 if GPUS >= 2 else 8), 10
+# The demo follows the job instead of racing it: the survivor alone is quick (a step every 16 to 28 ms on 2 CPU cores,
+# no all-reduce between groups), a start is slow (mostly `import torch`: 2.3 s after the kill on a quiet machine, 11 s
+# at a load of 6), and a job short enough for the demo ended before group 1 was back in half the tries on a busy
+# machine. So the groups are given FT_EPOCHS, more than any start takes, and the demo stops the job once group 1, back,
+# has trained FT_STOP_AFTER steps with group 0: about 10 s on 2 quiet cores, whatever the load the same story.
+FT_EPOCHS, FT_KILL_AFTER, FT_STOP_AFTER = 100, 10, 20
 NOTICE = re.compile(r"[WEI]\d{4} [\d:.]+ \d+ \S+\] (.*)")  # a torchrun log record, as output.Narrator reads them
 
 
@@ -65,44 +63,57 @@ def require_ok(title, job, timeout):
     return job
 
 
-def show_replica_groups(title, epochs, kill_after, timeout):
+def show_replica_groups(title, epochs, kill_after, stop_after, timeout):
     """Step 13 as a learner runs it: a lighthouse, then one torchrun per group (--max_restarts=1: a group's torchrun
     starts it again once), each command echoed. Once group 1 has printed step `kill_after` with both groups in it, its
-    rank 0 is SIGKILLed from outside; the job runs to its end. Then its lines, short (replica_lines), the kill and what
-    followed narrated; the finished job, its kill's note on its timeline."""
+    rank 0 is SIGKILLed from outside; once it is back and has printed `stop_after` more steps with both groups, the
+    demo stops the job. Then its lines, short (replica_lines), what happened narrated; the job, the kill and the stop
+    noted on its timeline."""
     print(f"\n=== {title}", flush=True)
     port, folder = free_port(), RUN_DIR / "fault_tolerant"
-    commands = [lighthouse(port), *replica_groups("fault_tolerant.py", epochs, SAVE_EVERY, port=port,
+    # A snapshot only after the last epoch, which the demo never reaches: group 1 has nothing on disk to come back to.
+    commands = [lighthouse(port), *replica_groups("fault_tolerant.py", epochs, epochs, port=port,
                                                   launcher_args=["--max_restarts=1"])]
     for command in commands:
         print("$", shown(command), flush=True)
     # Each group one GPU of its own where there are two: NCCL takes no two ranks on one GPU; else both on the CPU.
     devices = ["0", "1"] if GPUS >= 2 else ["", ""]
-    folder.mkdir()  # its files (snapshot-group0/, model_full.pt...) beside its logs: step 5's model_full.pt stays
+    folder.mkdir()  # the step's files beside its logs, apart from the other steps'
     deadline = time.monotonic() + timeout
-    with start(*commands, cwd=folder, gpu=True, services=1, env={"OMP_NUM_THREADS": None},
-               node_env=[{}, *({"CUDA_VISIBLE_DEVICES": device} for device in devices)]) as job:
-        together = re.compile(r"\[group 1 .*\] step (\d+) \| participants 2 ")
+    together = re.compile(r"\[group 1 .*\] step (\d+) \| participants 2 ")
+
+    def until(pattern, done, what):  # follow the job until a line of group 1 matches and done(match); else stop here
         try:
-            while int(job.wait_for(together, timeout=max(1.0, deadline - time.monotonic()))[1]) < kill_after:
+            while not done(match := job.wait_for(pattern, timeout=max(1.0, deadline - time.monotonic()))):
                 pass
-        except AssertionError:  # the job ended, or ran past the deadline, before group 1 got there
+            return match
+        except AssertionError:  # the job ended, or ran past the deadline, first
             job.wait(timeout=0)
             require_ok(title, job, timeout)
-            sys.exit(f"demo: '{title}' failed (group 1 never printed step {kill_after} with both groups in it; its "
-                     f"log: {where(job.logs_dir)}/)")
+            sys.exit(f"demo: '{title}' failed (the job ended before {what}; its log: {where(job.logs_dir)}/)")
+
+    with start(*commands, cwd=folder, gpu=True, services=1, env={"OMP_NUM_THREADS": None},
+               node_env=[{}, *({"CUDA_VISIBLE_DEVICES": device} for device in devices)]) as job:
+        until(together, lambda match: int(match[1]) >= kill_after, f"group 1 trained step {kill_after} with group 0")
         job.kill_worker(rank=0, node=2, nproc=1)
-        job.wait(timeout=max(1.0, deadline - time.monotonic()))
+        back = int(until(output.HEALED, lambda match: match["group"] == "1", "group 1 was back")["step"])
+        until(together, lambda match: int(match[1]) >= back + stop_after, f"group 1 trained {stop_after} steps back")
+        running = job.poll()  # None for every node that still runs: all of them, unless one failed on its own
+        job.note(f"the demo stops the job, {stop_after} steps after group 1's heal")
+    job.new_lines()  # what the groups printed before the stop, on the timeline too
+    if any(code is not None for code in running):
+        sys.exit(f"demo: '{title}' failed (exit codes {running} before the demo stopped it; its log: "
+                 f"{where(job.logs_dir)}/)")
     for line in replica_lines(job):
         print(line, flush=True)
-    return require_ok(title, job, timeout)
+    return job
 
 
 def replica_lines(job):
     """Step 13's job in the lines that tell what happened, in the order they were printed: of each stretch of a group's
     step lines with the same participants, the first and the last, and how many were left out between them; the other
-    lines of the groups' own but their snapshots'; torchrun's records as `torchrun (group G): ...`; and `>>>` lines
-    that say what happened: a group that joined late at the start, the kill, the killed group's return, the end."""
+    lines of the groups' own; torchrun's records as `torchrun (group G): ...`; and `>>>` lines that say what happened:
+    a group that joined late at the start, the kill, the killed group's return, the stop, what the survivor did."""
     lines, stretches = [], {}  # {group: [participants, its stretch's held-back last line, how many left out]}
     facts = replica_facts(job)
 
@@ -116,11 +127,13 @@ def replica_lines(job):
     for _, node, line in job.timeline:
         step = output.GROUP_STEP.search(line)
         group = int(step["group"]) if step else None
-        if node is None:  # the note kill_worker left, "SIGKILL to rank 0 (pid N)": the stretches end at the kill
+        if node is None and line.startswith("SIGKILL"):  # kill_worker's note: the stretches end at the kill
             for open_group in list(stretches):
                 end(open_group)
             lines.append(f">>> SIGKILL -> group 1's rank 0 ({line.split('(')[1]}, from outside, after its step "
                          f"{facts['killed_at']}: group 0 trains on; torchrun starts group 1 again (--max_restarts=1)")
+        elif node is None:  # the demo's note of its stop, told at the end
+            continue
         elif step and stretches.get(group, [None])[0] == int(step["participants"]):
             stretch = stretches[group]
             stretch[1], stretch[2] = line, stretch[2] + (stretch[1] is not None)
@@ -128,7 +141,7 @@ def replica_lines(job):
             end(group)
             lines.append(line)
             stretches[group] = [int(step["participants"]), None, 0]
-        elif node and (NOTICE.match(line) or not output.noise(line)) and not output.SAVED.search(line):
+        elif node and (NOTICE.match(line) or not output.noise(line)):
             end(node - 1)
             lines.append(f"   torchrun (group {node - 1}): {NOTICE.match(line)[1]}" if NOTICE.match(line) else line)
             healed = output.HEALED.search(line)
@@ -143,37 +156,39 @@ def replica_lines(job):
                              "step on, both groups print the same weights")
     for open_group in list(stretches):
         end(open_group)
-    first, final = facts["survivor"][0], facts["survivor"][-1]
-    if facts["back"] is None:
-        lines.append(f">>> group 1 was not back before group 0 had finished (its start took longer than group 0's "
-                     f"{facts['alone']} steps alone, on a busy machine): with no group to heal from, it trained alone "
-                     "from its own start")
-    lines.append(f">>> group 0 {'never stopped' if facts['unbroken'] else 'skipped or repeated steps'}: steps {first} "
-                 f"to {final}, {facts['alone']} of them alone after the kill, {facts['redone']} done again; the groups "
-                 f"end {'with the same' if facts['equal'] else 'with different'} weights")
+    lines.append(f">>> the demo stops the job: group 1 has trained {facts['last'] - facts['back']} steps with group 0 "
+                 f"since its heal, and the rest of the {FT_EPOCHS} epochs would go the same way")
+    survivor = facts["survivor"]
+    lines.append(f">>> group 0 {'never stopped' if facts['unbroken'] else 'skipped or repeated steps'}: steps "
+                 f"{survivor[0]} to {survivor[-1]}, {facts['alone']} of them alone after the kill, {facts['redone']} "
+                 f"done again; at step {facts['last']} both groups hold "
+                 f"{'the same weights' if facts['equal'] else 'different weights'}")
     return lines
 
 
 def replica_facts(job):
-    """What step 13's job did, from its lines and its timeline (the kill's note on it): the step group 1 printed last
-    before the kill, the step it healed at after it (None if it never did), whether it had a snapshot on disk, the
-    steps group 0 committed in order, whether they ran on unbroken (each the one before + 1), how many it took alone
-    after the kill and did again, and whether the groups ended with the same weights."""
-    killed = next(index for index, (_, node, _) in enumerate(job.timeline) if node is None)
+    """What step 13's job did, from the lines on its timeline (the kill noted among them): the step group 1 printed
+    last before the kill, the step it healed at after it, whether it had a snapshot on disk, the steps group 0
+    committed in order, whether they ran on unbroken (each the one before + 1), how many it took alone after the kill
+    and did again, the last step both groups printed and whether they held the same weights then."""
+    killed = next(index for index, (_, node, line) in enumerate(job.timeline)
+                  if node is None and line.startswith("SIGKILL"))
+    text = {node: "\n".join(line for _, where, line in job.timeline if where == node) for node in (1, 2)}
     before = [int(match["step"]) for _, node, line in job.timeline[:killed] if node == 2
               for match in [output.GROUP_STEP.search(line)] if match]
     after = [int(match["step"]) for _, node, line in job.timeline[killed:] if node == 2
              for match in [output.HEALED.search(line)] if match]
-    survivor = [int(match["step"]) for match in output.GROUP_STEP.finditer(job.node_output(1))]
-    steps = output.group_steps(job.output)
-    final = max(steps[0])
-    return dict(killed_at=before[-1], back=after[-1] if after else None, survivor=survivor,
-                disk="its snapshot on disk was older" if output.RESUMED.search(job.node_output(2)) else
+    survivor = [int(match["step"]) for match in output.GROUP_STEP.finditer(text[1])]
+    steps = output.group_steps(text[1] + "\n" + text[2])
+    last = max(set(steps[0]) & set(steps.get(1, {})))
+    return dict(killed_at=before[-1], back=after[-1] if after else None, survivor=survivor, last=last,
+                disk="its snapshot on disk was older" if output.RESUMED.search(text[2]) else
                 "it had saved no snapshot yet",
-                unbroken=survivor == list(range(survivor[0], final + 1)),
+                unbroken=survivor == list(range(survivor[0], survivor[-1] + 1)),
                 alone=sum(line["participants"] == 1 for step, line in steps[0].items() if step > before[-1]),
-                redone=len(output.NOT_COMMITTED.findall(job.node_output(1))),
-                equal=final in steps.get(1, {}) and steps[0][final]["weights"] == steps[1][final]["weights"])
+                redone=len(output.NOT_COMMITTED.findall(text[1])),
+                equal=steps[0][last]["weights"] == steps[1][last]["weights"], start=(steps[0].get(0) or steps[1][0]),
+                end=steps[0][last])
 
 
 def main():
@@ -248,7 +263,7 @@ def main():
     # and takes group 0's state (show_replica_groups). Its files in runs/demo/fault_tolerant/.
     jobs["fault_tolerant.py"] = show_replica_groups(
         "Step 13: two replica groups under torchft: one is SIGKILLed, the other trains on, the killed one heals",
-        FT_EPOCHS, FT_KILL_AFTER, timeout=args.timeout)
+        FT_EPOCHS, FT_KILL_AFTER, FT_STOP_AFTER, timeout=args.timeout)
 
     fault = show("Step 3 under fire: a worker SIGKILLed, torchrun restarts the group, the job resumes",
                  python("tools/fault_demo.py", "--timeout", args.timeout), timeout=args.timeout + 30, narrated=True)
@@ -261,15 +276,13 @@ def main():
         elif losses:  # one epoch: its mean training loss, then the held-out loss of the weights it ended with
             held_out = output.held_out(job.output)["loss"]
             print(f"{step:22} loss {losses[0]:.4f} (epoch 0's mean) -> held-out {held_out:.4f} (after it)")
-        elif groups := output.group_steps(job.output):  # replica groups: a line per step and group
-            facts, first = replica_facts(job), min(min(steps) for steps in groups.values())
-            start_loss = next(steps[first]["loss"] for steps in groups.values() if first in steps)
-            last, end = max(groups[0]), groups[0][max(groups[0])]
-            back = f"healed at step {facts['back']}" if facts["back"] is not None else "not back in time"
-            weights = f"both end at weights {end['weights']}" if facts["equal"] else "the groups end apart"
-            print(f"{step:22} loss {start_loss:.4f} (step {first}) -> {end['loss']:.4f} (step {last}); group 0 "
-                  f"{'never stopped' if facts['unbroken'] else 'skipped steps'} ({facts['alone']} steps alone), "
-                  f"group 1 {back}; {weights}")
+        elif output.group_steps(job.output):  # replica groups: a line per step and group, until the demo's stop
+            facts = replica_facts(job)
+            weights = f"both at weights {facts['end']['weights']}" if facts["equal"] else "the groups apart"
+            print(f"{step:22} loss {facts['start']['loss']:.4f} (step 0) -> {facts['end']['loss']:.4f} (step "
+                  f"{facts['last']}); group 0 {'never stopped' if facts['unbroken'] else 'skipped steps'} "
+                  f"({facts['alone']} steps alone), group 1 healed at step {facts['back']}; {weights} when the demo "
+                  "stopped the job")
         else:  # the long run reports windows of steps, and the held-out loss from step 0 on
             lines, held_out = output.step_lines(job.output), output.held_out_losses(job.output)
             before, after = held_out[0], held_out[-1]
