@@ -32,7 +32,7 @@ GPUS = torch.cuda.device_count()
 # no all-reduce between groups), a start is slow (mostly `import torch`: 2.3 s after the kill on a quiet machine, 11 s
 # at a load of 6), and a job short enough for the demo ended before group 1 was back in half the tries on a busy
 # machine. So the groups are given FT_EPOCHS, more than any start takes, and the demo stops the job once group 1, back,
-# has trained FT_STOP_AFTER steps with group 0: about 10 s on 2 quiet cores, whatever the load the same story.
+# has trained FT_STOP_AFTER steps with group 0: 11 s on 2 cores at a load of 3, and the same story at any load.
 FT_EPOCHS, FT_KILL_AFTER, FT_STOP_AFTER = 100, 10, 20
 NOTICE = re.compile(r"[WEI]\d{4} [\d:.]+ \d+ \S+\] (.*)")  # a torchrun log record, as output.Narrator reads them
 
@@ -78,11 +78,11 @@ def show_replica_groups(title, epochs, kill_after, stop_after, timeout):
         print("$", shown(command), flush=True)
     # Each group one GPU of its own where there are two: NCCL takes no two ranks on one GPU; else both on the CPU.
     devices = ["0", "1"] if GPUS >= 2 else ["", ""]
-    folder.mkdir()  # the step's files beside its logs, apart from the other steps'
+    folder.mkdir()  # the job's folder, its logs in it: apart from the other steps' files
     deadline = time.monotonic() + timeout
     together = re.compile(r"\[group 1 .*\] step (\d+) \| participants 2 ")
 
-    def until(pattern, done, what):  # follow the job until a line of group 1 matches and done(match); else stop here
+    def until(pattern, done, what):  # follow the job to a line that matches and done(match) holds; else stop here
         try:
             while not done(match := job.wait_for(pattern, timeout=max(1.0, deadline - time.monotonic()))):
                 pass
