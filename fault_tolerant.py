@@ -5,6 +5,7 @@
     torchrun --nproc_per_node=gpu fault_tolerant.py 50 10 --group 1 --groups 2 --lighthouse http://LIGHTHOUSE:29510
 """
 import argparse
+import functools
 import os
 from datetime import timedelta
 
@@ -64,7 +65,7 @@ class Trainer:
         self.manager = self._make_manager(args) if self.global_rank == 0 else None
         dist.barrier()
         self.manager = self.manager or self._make_manager(args)
-        # Its zero_grad() starts a step's quorum; its step() steps only if every group of it did all its all-reduces.
+        # Its step() steps only if every group of the step's quorum did all its all-reduces.
         self.ft_optimizer = Optimizer(self.manager, self.optimizer)
         # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
         self.epochs_run = self._load_snapshot() if exists_on_any_rank(self.snapshot_path, device) else 0
@@ -73,17 +74,19 @@ class Trainer:
     def _make_manager(self, args):
         timeout = timedelta(seconds=args.timeout)
         process_group = (ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo)(timeout)
-        # Every group starts from the same seeded weights: no group has to sit out step 0 to copy them (init_sync).
+        # The quorum before the forward, not beside it: a group that is behind heals before it reads its batch, and the
+        # state a healthy group sends is read while its model is at rest. Every group starts from the same seeded
+        # weights: none has to copy them at step 0 (init_sync).
         return Manager(process_group, load_state_dict=self._heal, state_dict=self._state, min_replica_size=1,
-                       replica_id=f"group{args.group}", lighthouse_addr=args.lighthouse, init_sync=False,
-                       timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+                       replica_id=f"group{args.group}", lighthouse_addr=args.lighthouse, use_async_quorum=False,
+                       init_sync=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
 
     def _state(self):
         # What a healthy group sends one that is behind: each rank its shards, to the same rank of the other group.
         return dict(zip(["MODEL", "OPTIMIZER"], get_state_dict(self.model, self.optimizer)), ARGS=self.arguments)
 
     def _heal(self, sent):
-        # A group that is behind (restarted, or new) loads it, sits out this step's all-reduces, and steps with the rest.
+        # A group that is behind (restarted, or new) loads it, then trains the step with the others.
         if sent["ARGS"] != self.arguments:
             raise SystemExit(f"error: this group has TOTAL_EPOCHS, --batch_size, --groups, --workload {self.arguments}"
                              f", the running groups {sent['ARGS']}: start it with the arguments they had")
@@ -106,7 +109,6 @@ class Trainer:
         return epochs_run
 
     def _run_batch(self, source, targets):
-        self.ft_optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(source), targets)
         loss.backward()
         # The step's loss over every sample: averaged over the group's ranks, then over the groups of the quorum.
@@ -131,16 +133,18 @@ class Trainer:
         log_memory("start", self.model, self.optimizer, self.device, self.verbose)  # every rank's, in one table
         # The loop counts the job's steps, which a group that heals takes over: each step reads the step's batch.
         steps_per_epoch = len(self.train_data.sampler) // self.train_data.batch_size
-        while (step := self.manager.current_step()) < max_epochs * steps_per_epoch:
+        while True:
+            # Its zero_grad() forms the step's quorum: the groups that train it; one that is behind heals here.
+            self.ft_optimizer.zero_grad(set_to_none=True)
+            if (step := self.manager.current_step()) >= max_epochs * steps_per_epoch:
+                break
             epoch, batch = divmod(step, steps_per_epoch)
-            self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every group
-            [(source, targets)] = step_batch(self.train_data, batch)  # this rank's share of the step
+            [(source, targets)] = step_batch(self.train_data, epoch, batch)  # this rank's share of the step
             loss = self._run_batch(source.to(self.device), targets.to(self.device))
             weights = weights_digest(self.model, self.device)
-            # One step more if this one committed; a group that healed in it took the healthy groups' count.
-            done = self.manager.current_step()
+            done = self.manager.current_step()  # one more if this step committed
             if self.global_rank == 0:
-                print(f"{self.tag} step {done - 1} | participants {self.manager.num_participants()} | loss "
+                print(f"{self.tag} step {step} | participants {self.manager.num_participants()} | loss "
                       f"{loss.item():.4f} | weights {weights}" if done > step else f"{self.tag} step {step} not "
                       "committed: a group of its quorum failed, and the groups left do it again")
             epochs_done, into_epoch = divmod(done, steps_per_epoch)
@@ -159,11 +163,17 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, group: int, groups: in
                       sampler=DistributedSampler(dataset, group, groups))  # each rank 1/(groups x its group's ranks)
 
 
-def step_batch(train_data, batch):
+def step_batch(train_data, epoch, batch):
     # Batch `batch` of this rank's share of the epoch: a step is read by its number, not by iterating.
     first = batch * train_data.batch_size
-    indices = list(train_data.sampler)[first:first + train_data.batch_size]
+    indices = epoch_share(train_data.sampler, epoch)[first:first + train_data.batch_size]
     return DataLoader(train_data.dataset, batch_size=len(indices), sampler=indices)
+
+
+@functools.lru_cache(maxsize=1)
+def epoch_share(sampler, epoch):
+    sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every group
+    return list(sampler)
 
 
 def main(args):
@@ -188,7 +198,7 @@ def main(args):
     # The groups hold the same weights: the first participant of the last step reports and writes them.
     if trainer.global_rank == 0 and trainer.manager.participating_rank() == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
-        full_path = os.path.join(os.path.dirname(args.snapshot_path), "model_full.pt")  # beside the snapshot
+        full_path = os.path.join(os.path.dirname(args.snapshot_path), "ft_model_full.pt")  # beside the snapshots
         torch.save(full_model, full_path)  # one plain state_dict: it loads without torch.distributed
         print(f"{trainer.tag} full model saved to {full_path}")
     dist.destroy_process_group()
@@ -202,7 +212,8 @@ if __name__ == "__main__":
     parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")
     parser.add_argument("--workload", default="synthetic", choices=WORKLOADS, help="What to train")
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
-    parser.add_argument("--snapshot_path", default="snapshot", type=writable_path, help="Sharded snapshot folder")
+    parser.add_argument("--snapshot_path", default="ft_snapshot", type=writable_path,
+                        help="Sharded snapshot folders: PATH-group0, PATH-group1...")
     parser.add_argument("--group", default=0, type=non_negative_int, help="Which replica group this torchrun is")
     parser.add_argument("--groups", default=2, type=positive_int, help="How many groups share the data")
     parser.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE", "http://localhost:29510"),

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.jobs import (free_port, healed_after_training, lighthouse, machine_summary, output,  # noqa: E402
-                        replica_groups, start, torchrun)
+from tools.jobs import (free_port, kill_when_training_together, lighthouse, machine_summary,  # noqa: E402
+                        next_heal, output, replica_groups, start, torchrun)
 from utils import positive_int  # noqa: E402
 
 STEPS_PER_EPOCH = 32  # 2048 samples, 2 x 32 a step
@@ -56,14 +56,15 @@ def until(job, timeout, done):
 
 
 def replica_groups_job(args, workdir):
-    """fault_tolerant.py, 2 groups of 1 rank; group 1's worker SIGKILLed before its optimizer step --kill_at. The job
-    is stopped once group 1, restarted by its torchrun, has healed and trained 10 steps with group 0."""
+    """fault_tolerant.py, 2 groups of 1 rank; group 1's worker SIGKILLed once the groups have committed step --kill_at - 1
+    together (a step or two later: the kill comes from outside). The job is stopped once group 1, restarted by its
+    torchrun, has healed and trained 10 steps with group 0."""
     port = free_port()
     commands = [lighthouse(port), *replica_groups("fault_tolerant.py", args.epochs, args.save_every, "--workload",
                                                   args.workload, port=port, launcher_args=["--max_restarts=1"])]
-    with start(*commands, cwd=workdir, services=1, record_steps=True,
-               node_env=[{}, {}, {"JOB_KILL_AT_STEP": f"0:0:{args.kill_at}"}]) as job:
-        healed = healed_after_training(job, 1, timeout=args.timeout)
+    with start(*commands, cwd=workdir, services=1, record_steps=True) as job:
+        kill_when_training_together(job, steps=args.kill_at - 1, timeout=args.timeout)
+        healed = next_heal(job, 1, timeout=args.timeout)
         step = -1
         while step < healed + 10:
             match = job.wait_for(output.GROUP_STEP, timeout=args.timeout)
@@ -79,7 +80,7 @@ def replica_groups_job(args, workdir):
     alone = [step for step, line in steps[0].items() if killed_at < step and line["participants"] == 1]
     together = [step for step in steps[1] if step > healed and step in steps[0]]
     return dict(stall=stall, redone=len(output.NOT_COMMITTED.findall(job.node_output(1))), alone=len(alone),
-                healed=healed, equal_after=all(steps[0][step]["weights"] == steps[1][step]["weights"]
+                killed=killed_at, healed=healed, equal_after=all(steps[0][step]["weights"] == steps[1][step]["weights"]
                                                for step in together))
 
 
@@ -93,7 +94,8 @@ def report(args, world, groups):
     print(f"| restart the world (step 3) | {world['redone']} x {world['ranks']} ranks (since the snapshot) | "
           f"{world['stall']:.2f} s (every rank) | {world['back']:.2f} s after the kill | 0 |")
     print(f"| replica groups (step 13) | {groups['redone']} | {groups['stall']:.2f} s (the survivor's longest wait) | "
-          f"never stopped (group 1 back at step {groups['healed']}) | {groups['alone'] * 32} "
+          f"never stopped (group 1 killed after step {groups['killed']}, back at step {groups['healed']}) | "
+          f"{groups['alone'] * 32} "
           f"({groups['alone']} steps of group 1's share) |")
     print(f"the groups equal after the heal: {groups['equal_after']}")
 

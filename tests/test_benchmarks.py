@@ -648,13 +648,13 @@ def test_fault_tolerance_at_scale_reports_both_strategies_side_by_side(capsys):
     args = Namespace(kill_at=100, epochs=8, save_every=2, workload="synthetic")
     benchmark("fault_tolerance_at_scale").report(
         args, dict(reached=99, redone=35, ranks=2, stall=2.5, back=2.75),
-        dict(stall=2.1, redone=1, alone=30, healed=131, equal_after=True))
+        dict(stall=2.1, redone=1, alone=30, killed=100, healed=131, equal_after=True))
     rows = table_rows(capsys.readouterr().out)
     assert rows == [
         "| restart the world (step 3) | 35 x 2 ranks (since the snapshot) | 2.50 s (every rank) | 2.75 s after the kill "
         "| 0 |",
-        "| replica groups (step 13) | 1 | 2.10 s (the survivor's longest wait) | never stopped (group 1 back at step "
-        "131) | 960 (30 steps of group 1's share) |"], rows
+        "| replica groups (step 13) | 1 | 2.10 s (the survivor's longest wait) | never stopped (group 1 killed after "
+        "step 100, back at step 131) | 960 (30 steps of group 1's share) |"], rows
 
 
 @pytest.mark.slow

@@ -78,9 +78,9 @@ def known_cause(error, timeout_s):
         message = str(error) if isinstance(error, (RuntimeError, TimeoutError)) else ""
         unanswered = re.search(r"failed to connect to (\S+) within timeout", message)
         if unanswered:
-            return (f"error: rank {rank}: nothing answers at {unanswered[1]} within --timeout {timeout_s} s: start the "
-                    "lighthouse first (torchft_lighthouse), and give --lighthouse its address; the snapshot on disk is "
-                    "kept, and the same command resumes from it")
+            return (f"error: rank {rank}: nothing answers at {unanswered[1]} within --timeout {timeout_s} s: the "
+                    "lighthouse is not running or cannot be reached (start it first: torchft_lighthouse; --lighthouse "
+                    "gives its address); the snapshot on disk is kept, and the same command resumes from it")
         if isinstance(error, TimeoutError) and "Timeout expired" in message:
             return (f"error: rank {rank}: no quorum within --timeout {timeout_s} s: the lighthouse is gone or cannot "
                     "be reached; the snapshot on disk is kept, and the same commands resume from it once it runs")

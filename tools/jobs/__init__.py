@@ -98,19 +98,25 @@ def replica_groups(name, *args, port, groups=2, nproc=1, launcher_args=()):
                      nproc=nproc, launcher_args=launcher_args) for group in range(groups)]
 
 
-def healed_after_training(job, group, timeout=120):
-    """Follow a job of step 13's replica groups until `group` has printed a step and then healed: the step it healed
-    at. A group that starts later than the others heals before its first step; one killed after it trained heals
-    again when its torchrun has started it anew (which torchrun reports with the first exit code it saw: the killed
-    worker's, or its peer's), and that is the heal this waits for."""
-    def of_group(pattern):
-        while True:
-            match = job.wait_for(pattern, timeout=timeout)
-            if match["group"] == str(group):
-                return match
+def kill_when_training_together(job, rank=0, steps=50, timeout=120):
+    """In a job of step 13's two replica groups, SIGKILL `rank` of group 1 once it has committed step `steps` with
+    group 0 (either group may start first, and a kill before the other group is there shows nothing): that step."""
+    step = -1
+    while step < steps:
+        match = job.wait_for(output.GROUP_STEP, timeout=timeout)
+        step = int(match["step"]) if match["group"] == "1" and match["participants"] == "2" else step
+    job.kill_worker(rank=rank, node=2)
+    return step
 
-    of_group(output.GROUP_STEP)
-    return int(of_group(output.HEALED)["step"])
+
+def next_heal(job, group, timeout=120):
+    """Follow a job of step 13's replica groups to the next line in which `group` says it healed: the step it healed
+    at. After kill_when_training_together, that is the killed group's return (its heal at a late start, if any, came
+    before its first step, and is behind)."""
+    while True:
+        match = job.wait_for(output.HEALED, timeout=timeout)
+        if match["group"] == str(group):
+            return int(match["step"])
 
 
 def shown(command):
