@@ -237,13 +237,13 @@ print("group 0 committed every step from its first to the last, once and in orde
 print(f"its longest wait began with the kill and was shorter than --timeout {TIMEOUT} s:",
       abs(wait_from - killed_at) < 1 and wait_to - wait_from < TIMEOUT)
 print("it trained alone (1 participant) from group 1's kill to group 1's heal:",
-      all(participants == 1 for _, step, participants, _ in survivor if before[-1][1] + 1 < step <= healed))
+      all(participants == 1 for _, step, participants, _ in survivor if before[-1][1] + 1 < step < healed))
 print("group 1 came back behind the job (its snapshot on disk is older), and healed from group 0:", on_disk < healed)
 digests = {step: weights for _, step, _, weights in survivor}
 print("from the heal on, group 1 committed every step until the job was stopped:",
       [step for _, step, _, _ in after if step >= healed] == list(range(healed, after[-1][1] + 1)))
-print("with 2 participants after the heal step:",
-      all(participants == 2 for _, step, participants, _ in survivor + after if step > healed))
+print("with 2 participants from the heal step on:",
+      all(participants == 2 for _, step, participants, _ in survivor + after if step >= healed))
 # The last step one group printed before the stop may be missing from the other's lines: the steps both printed.
 both = [(step, weights) for _, step, _, weights in after if step >= healed and step in digests]
 print(f"and the same weights as group 0 at every step from the heal on (at least {STOP_AFTER} steps):",
