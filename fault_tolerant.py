@@ -58,7 +58,8 @@ class Trainer:
         self.loss_fn = loss_fn
         self.save_every = save_every
         self.tag = f"[group {args.group} | rank {self.global_rank}/{dist.get_world_size()} | {device}]"
-        self.snapshot_path = f"{snapshot_path}-group{args.group}"  # each group its own: any one can resume alone
+        # Each group its own snapshot: any one of them can resume alone.
+        self.snapshot_path = f"{snapshot_path}-group{args.group}"
         self.verbose, self.arguments = args.verbose, [args.total_epochs, args.batch_size, args.groups, args.workload]
         # Rank 0 serves the group's Manager, which meets the other groups at the lighthouse; the other ranks read its
         # address after the barrier, not one that rank 0 of the attempt before a restart left in torchrun's store.
@@ -159,8 +160,9 @@ def load_train_objs(args):
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int, group: int, groups: int):
+    # Each rank reads 1/(groups x its group's ranks) of every epoch: share rank + ranks x group.
     return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
-                      sampler=DistributedSampler(dataset, group, groups))  # each rank 1/(groups x its group's ranks)
+                      sampler=DistributedSampler(dataset, group, groups))
 
 
 def step_batch(train_data, epoch, batch):
@@ -172,13 +174,15 @@ def step_batch(train_data, epoch, batch):
 
 @functools.lru_cache(maxsize=1)
 def epoch_share(sampler, epoch):
-    sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every group
+    # A new shuffle each epoch, the same in every group.
+    sampler.set_epoch(epoch)
     return list(sampler)
 
 
 def main(args):
     require_torch_for_fsdp()  # FSDP on CPU processes needs torch 2.9: else one line
-    quiet_torchft()  # torch's warnings about torchft's calls, and its checkpoint server's log of each request
+    # torch's warnings about torchft's calls, its checkpoint server's log of each request: silenced at their cause.
+    quiet_torchft()
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")

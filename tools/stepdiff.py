@@ -124,9 +124,9 @@ LARGER_BUDGETS = {
     # its head, each step's batch read by its number from the group's share of the epoch (listed once an epoch), a line
     # per step with the participants and a digest of the weights (the proof a learner sees), a step that did not
     # commit said in one line; --group, --groups, --lighthouse; fsdp.py's --strategy ddp taken out. Against its issue's
-    # (-, 80): the epoch loop that is replaced counts twice, once removed and once as the step loop: 229 lines, 167
-    # changed.
-    "fault_tolerant.py": (229, 167),
+    # (-, 80): the epoch loop that is replaced counts twice, once removed and once as the step loop; its comments stand
+    # above the code they explain: 233 lines, 171 changed.
+    "fault_tolerant.py": (233, 171),
 }
 BLOCK = re.compile(r"(<!-- diff (\S+) (\S+) -->\n)(.*?)(<!-- end diff -->)", re.S)
 
