@@ -6,6 +6,12 @@
     python exercises/check.py 4 my_accum.py      # 4. gradient accumulation with no_sync (the GPT of step 6)
     python exercises/check.py 5 my_2d.py         # 5. 2D parallelism: the data split over dp, not every rank
     python exercises/check.py 6 my_cp.py         # 6. context parallelism: which chunks of a sequence a rank holds
+    python exercises/check.py 7 my_ddp_by_hand.py      # 7. DDP by hand: hooks, buckets, overlap with backward
+    python exercises/check.py 8 my_zero.py             # 8. ZeRO by hand: the optimizer's state, then the gradients, sharded
+    python exercises/check.py 9 my_fsdp.py             # 9. FSDP's choices: the units, and resharding after forward
+    python exercises/check.py 10 my_pipeline.py        # 10. a pipeline schedule by hand: GPipe, then 1F1B
+    python exercises/check.py 11 my_dispatch.py        # 11. the experts' dispatch: two all-to-alls
+    python exercises/check.py 12 my_clinic.py          # 12. the hang clinic: which rank, which collective, which line
 
 It prints what is missing or wrong, in the exercise's terms and with the line to change, and exits 0 only when
 everything is right. It judges what the processes did, not how the script is written: the samples each rank trained
@@ -15,9 +21,8 @@ killed job had), whether each process closed its process group. tools/jobs recor
 the repository's tests use.
 """
 import argparse
+import importlib
 import itertools
-import linecache
-import re
 import shutil
 import sys
 import tempfile
@@ -28,20 +33,24 @@ sys.path.insert(0, str(REPO))  # run as `python exercises/check.py` from anywher
 
 import torch  # noqa: E402
 
+from exercises.judging import (COLLECTIVE_TIMEOUT_S, LOSS_TOLERANCE, WORLD_SIZE, exit_problems, lines_in,  # noqa: E402
+                               listed, ranks_of)
 from tools.jobs import PYTHON, free_port, run, saved_name, shown, torchrun, torchrun_node  # noqa: E402
-from tools.jobs.output import epoch_losses, noise  # noqa: E402
+from tools.jobs.output import epoch_losses  # noqa: E402
 from utils import make_workload  # noqa: E402
 
 EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes", 4: "4_grad_accum",  # their folders in exercises/
-             5: "5_tensor_parallel", 6: "6_context_parallel"}
-SOLUTIONS = {1: "multigpu.py", 2: "multigpu_torchrun.py", 3: "multinode.py", 4: "gpt.py",  # the steps that solve them
-             5: "tensor_parallel.py", 6: "context_parallel.py"}
-WORLD_SIZE = 2
-COLLECTIVE_TIMEOUT_S = 60  # passed as --timeout: a stuck collective fails instead of hanging forever (slow starts pass)
+             5: "5_tensor_parallel", 6: "6_context_parallel", 7: "7_ddp_by_hand", 8: "8_zero_by_hand",
+             9: "9_fsdp_choices", 10: "10_pipeline_by_hand", 11: "11_expert_dispatch", 12: "12_hang_clinic"}
+# The track inside the machinery (7-12): each exercise's checker is a module of exercises/inside/, by this name.
+INSIDE = {7: "ddp_by_hand", 8: "zero_by_hand", 9: "fsdp_choices", 10: "pipeline_by_hand", 11: "expert_dispatch",
+          12: "hang_clinic"}
+# What solves each exercise: the step scripts (1-6), then each exercise's own solution.py, which a learner compares with
+SOLUTIONS = {1: "multigpu.py", 2: "multigpu_torchrun.py", 3: "multinode.py", 4: "gpt.py", 5: "tensor_parallel.py",
+             6: "context_parallel.py", **{number: f"exercises/{EXERCISES[number]}/solution.py" for number in INSIDE}}
 KILLED_EPOCH = 2  # exercise 2 kills rank 1 as it begins this epoch
 SLOW_SAVE_S = 0.5  # exercises 2 and 3 make every save this much slower (a slow disk): a rank that runs ahead shows,
 # even on a busy machine that delays it for a moment
-LOSS_TOLERANCE = 1e-4  # the epoch line prints 4 decimals: a printed loss within this of a value is that value
 
 
 def launch(commands, workdirs, record_dir, timeout, kill_at=None, slow_save=None):
@@ -51,70 +60,8 @@ def launch(commands, workdirs, record_dir, timeout, kill_at=None, slow_save=None
                timeout=timeout, check=False)
 
 
-def ranks_of(rows):
-    return sorted({row["rank"] for row in rows}, key=str)
-
-
-def listed(numbers):
-    numbers = [str(n) for n in numbers]
-    return " and ".join(numbers) if len(numbers) < 3 else ", ".join(numbers[:-1]) + " and " + numbers[-1]
-
-
-def line_of(script, number, function):
-    """`line N (in function: `code`)`, the learner's own line, as their editor shows it."""
-    code = linecache.getline(str(script), number).split("  #")[0].strip()  # the code, without its comment
-    return f"line {number} (in {function}: `{code}`)" if code else f"line {number} (in {function})"
-
-
-def lines_in(stack, script, innermost=2):
-    """The `innermost` frames of a recorded stack that are the learner's script's, innermost first."""
-    mine = [frame for frame in stack or () if Path(frame[0]) == Path(script)]
-    return [line_of(script, number, function) for _, number, function in reversed(mine[-innermost:])]
-
-
-def traceback_line(output, script, before=None):
-    """The learner's line a traceback in `output` ends in (before position `before`), or None."""
-    found = list(re.finditer(r'File "([^"]+)", line (\d+), in (\S+)', output[:before]))
-    mine = [match for match in found if Path(match[1]) == Path(script)]
-    return line_of(script, int(mine[-1][2]), mine[-1][3]) if mine else None
-
-
-# Crashes a learner's mistake causes, by the error they raise: (pattern, what to say; {where} is the learner's line)
-KNOWN_CRASHES = [
-    (r"sampler option is mutually exclusive with shuffle",
-     "the DataLoader was given shuffle=True and a DistributedSampler ({where}): the sampler does the shuffling (a new "
-     "order every epoch, from set_epoch, the same on every rank), so the DataLoader must not: pass shuffle=False"),
-]
-
-
 # Each *_problems function returns a list of sentences, empty when all is well. Those that judge records take the
 # rows themselves (job.samples, job.records(...)): tests/test_exercises.py gives them rows it makes up.
-
-def exit_problems(job, script=None):
-    if job.timed_out:
-        return [f"it did not finish within {job.limit} s and was stopped: a rank is probably waiting in a "
-                "collective (init_process_group, all_reduce, barrier) that another rank never reaches, such as a "
-                "barrier inside `if rank == 0:`, or ranks that run a different number of epochs"]
-    failed = [code for code in job.codes if code != 0]
-    if not failed:
-        return []
-    output = job.output
-    for pattern, verdict in KNOWN_CRASHES:
-        match = re.search(pattern, output)
-        if match:
-            return [verdict.format(where=traceback_line(output, script, match.start()) or "see its traceback")]
-    lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in output.strip().splitlines()]
-    # what gloo and torchrun print around the learner's own error (a peer that vanished mid-collective, the launcher's
-    # summary of failed workers) is left out
-    errors = [line for line in lines if re.match(r"(error: |\w+(Error|Exception)\b)", line) and not noise(line)]
-    errors = list(dict.fromkeys(errors))  # every rank, every restart says the same: once is enough
-    first = output.find(errors[0]) if errors else None  # the learner's line its traceback ends in
-    where = traceback_line(output, script, first) if script else None
-    errors = errors[:4] or [line for line in lines if not noise(line)][-8:]
-    shown_lines = "\n".join("      " + line for line in errors)
-    return [f"it exited with code {failed[0]}" + (f", at {where}" if where else "") +
-            f"; what it printed about that:\n{shown_lines}"]
-
 
 def process_problems(samples):
     if not samples:
@@ -742,7 +689,16 @@ def check_context(script, workdir, say):
     return problems or exit_problems(job, script)
 
 
-CHECKS = {1: check_ddp, 2: check_resume, 3: check_two_nodes, 4: check_grad_accum, 5: check_two_d, 6: check_context}
+def inside(number):
+    """Exercise `number`'s checker, from its module in exercises/inside/ (imported when it runs: each brings its own
+    reference and records)."""
+    def check_inside(script, workdir, say):
+        return importlib.import_module(f"exercises.inside.{INSIDE[number]}").check(script, workdir, say)
+    return check_inside
+
+
+CHECKS = {1: check_ddp, 2: check_resume, 3: check_two_nodes, 4: check_grad_accum, 5: check_two_d, 6: check_context,
+          **{number: inside(number) for number in INSIDE}}
 
 
 def check(number, script, workdir, say=lambda line: None):
@@ -764,7 +720,8 @@ def main():
         print(f"  ✗ {problem}")
     if problems:
         sys.exit(f"{len(problems)} problem(s). Hints: exercises/{EXERCISES[args.exercise]}/hints.md")
-    print(f"  ✓ all checks passed. Compare with the repository's step: {SOLUTIONS[args.exercise]}")
+    kind = "step" if args.exercise not in INSIDE else "solution"
+    print(f"  ✓ all checks passed. Compare with the repository's {kind}: {SOLUTIONS[args.exercise]}")
 
 
 if __name__ == "__main__":

@@ -8,23 +8,13 @@ import re
 import pytest
 
 from exercises.check import EXERCISES, SOLUTIONS, check
+from mistakes import seeded
 from tools.jobs import PYTHON, REPO, run, script
 
 pytestmark = pytest.mark.slow  # every test here starts a job of processes
 
 STEPS = SOLUTIONS  # the step each exercise leads to, as the checker names it when all checks pass
 STARTS = {number: f"exercises/{folder}/start.py" for number, folder in EXERCISES.items()}
-
-
-def seeded(tmp_path, step, *edits):
-    """A copy of a step script with mistakes put in: each edit is (text, replacement), and each text must occur."""
-    text = (REPO / step).read_text()
-    for old, new in edits:
-        assert re.search(old, text), f"{step} no longer contains {old!r}: update this seeded mistake"
-        text = re.sub(old, new, text)
-    path = tmp_path / f"mistaken_{step}"
-    path.write_text(text)
-    return path
 
 
 def checked(number, path, tmp_path):

@@ -15,7 +15,9 @@ The environment: the CPU (gloo) unless gpu=True, one compute thread per process,
 repository on PYTHONPATH (a learner's script elsewhere still imports `utils`). With record=True the job's processes
 load recorder/sitecustomize.py, which records each torch.save and the samples each rank trains on, epoch by epoch,
 and each pass of a pipeline stage (job.records("pipeline.jsonl"), read by tools/pipeline_timeline.py);
-record_steps=True adds every optimizer step (its learning rate, and the gradient all-reduces DDP ran for it); kill_at,
+record_steps=True adds every optimizer step (its learning rate, and the gradient all-reduces DDP ran for it);
+record_collectives=True every collective a process called, when it waited for it, each backward and optimizer step
+(job.records("collectives.jsonl"): what the workshop's build-it-yourself exercises are judged by); kill_at,
 kill_at_step, skip_all_reduce and stall_init inject faults through it, and slow_save makes every save slower (its
 docstring says how).
 
@@ -140,7 +142,7 @@ def machine_summary():
 
 
 def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_reduce=None, stall_init=None,
-                record_steps=False, slow_save=None, kill_at_step=None):
+                record_steps=False, slow_save=None, kill_at_step=None, record_collectives=False):
     """The environment of a job's processes (see the module's docstring); `extra` last (a value None removes a
     variable; a PYTHONPATH in it goes before the repository's)."""
     extra = dict(extra or {})
@@ -157,6 +159,8 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
         env["JOB_RECORD_DIR"] = str(record_dir)
     if record_dir and record_steps:
         env["JOB_RECORD_STEPS"] = "1"
+    if record_dir and record_collectives:
+        env["JOB_RECORD_COLLECTIVES"] = "1"
     if kill_at:
         env["JOB_KILL_AT"] = ":".join(map(str, kill_at))
     if kill_at_step:
@@ -180,7 +184,9 @@ class Job:
 
     cwd: the folder each node runs in (one for all, or a list; `cwds` holds them, `cwd` the first node's); logs: where
     the logs and records go (default: the first node's folder); env: extra variables for every node, node_env: a dict
-    per node on top of them; record_steps (implies record): every optimizer step's learning rate and gradient
+    per node on top of them; record_collectives (implies record): every torch.distributed collective and point-to-point
+    op, each backward and optimizer step (the workshop's build-it-yourself exercises); record_steps (implies record):
+    every optimizer step's learning rate and gradient
     all-reduces too; services: how many of the first commands serve the others and do not end by themselves (step 13's
     lighthouse): the job ends when the others have, and a service still serving then counts as exit code 0. `limit`:
     the seconds wait() gave it (None until then).
@@ -188,16 +194,16 @@ class Job:
 
     def __init__(self, *commands, cwd, env=None, node_env=None, gpu=False, record=False, kill_at=None,
                  skip_all_reduce=None, stall_init=None, slow_save=None, logs=None, record_steps=False,
-                 kill_at_step=None, services=0):
+                 kill_at_step=None, services=0, record_collectives=False):
         self.services = services
         self.cwds = [Path(folder) for folder in (cwd if isinstance(cwd, (list, tuple)) else [cwd] * len(commands))]
         self.limit = None
         self.commands = [[str(part) for part in command] for command in commands]
         self.logs_dir = Path(logs or self.cwds[0])
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        self.recorded = record = record or record_steps
+        self.recorded = record = record or record_steps or record_collectives
         env = environment(env, gpu, self.logs_dir if record else None, kill_at, skip_all_reduce, stall_init,
-                          record_steps, slow_save, kill_at_step)
+                          record_steps, slow_save, kill_at_step, record_collectives)
         self.logs = [self.logs_dir / f"node{node}.log" for node in range(len(commands))]
         self.began, self.timeline, self.codes = time.monotonic(), [], None
         self._offsets, self._queue = [0] * len(commands), []

@@ -55,6 +55,17 @@ changed; without the variables nothing happens.
     `pass` ("forward" or "backward"), `microbatch`, `began` and `ended` (time.time()), and for a forward `saved`, the
     bytes of the tensors autograd kept for its backward (activations; the stage's parameters not counted). Patched
     in when the job imports torch.distributed.pipelining (importing it costs 1.5 s: jobs without it do not pay).
+- JOB_RECORD_COLLECTIVES=1 (with JOB_RECORD_DIR): collectives.jsonl, a JSON line per event of the workshop's
+  build-it-yourself exercises, each with pid, rank, restart, `event` and `step` (the optimizer steps this process had
+  taken): "call", per call of a torch.distributed collective or point-to-point op (`op`, `seq` its number in the
+  process, `began` and `ended` of the call, `asynchronous`, `bytes` of each tensor it was given, `dtypes`, `peer`,
+  `group_size`, `in_backward` (called during a Tensor.backward: from a gradient hook), split sizes of an
+  all_to_all_single, `caller` [file, line, function], the innermost frame outside the installation); "wait", when the
+  Work of an asynchronous call (`seq`) was waited on (`began`, `ended`); "backward", each Tensor.backward's `began`
+  and `ended`; "step" as an optimizer step begins (`params` and `grads`: the bytes of the parameters it updates and
+  of their gradients) and "stepped" as it ends (`state`: the bytes of its state tensors, AdamW's moments).
+- JOB_RECORD_PLUGINS=`NAME,...` (with JOB_RECORD_DIR): import recorder/plugins/NAME.py too: what one exercise of
+  the workshop records beyond the above (each plugin's docstring says what).
 - JOB_SLOW_SAVE=`SECONDS` (with or without JOB_RECORD_DIR): every torch.save to a file takes that much longer: it
   sleeps once the bytes are written, before it returns (a slow disk: the file being written is there, not yet
   renamed into place), so a rank that does not wait for the snapshot to be on disk shows it. Each rank's writes of a
@@ -89,6 +100,7 @@ KILL_AT = os.environ.get("JOB_KILL_AT")
 KILL_AT_STEP = os.environ.get("JOB_KILL_AT_STEP")
 SKIP_ALL_REDUCE = os.environ.get("JOB_SKIP_ALL_REDUCE")
 STALL_INIT = os.environ.get("JOB_STALL_INIT")
+RECORD_COLLECTIVES = RECORD_DIR and os.environ.get("JOB_RECORD_COLLECTIVES")
 
 
 def _rank():
@@ -572,3 +584,119 @@ if STALL_INIT:
         return _init_process_group(*args, **kwargs)
 
     dist.init_process_group = _stalling_init_process_group
+
+if RECORD_COLLECTIVES:
+    import threading
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    _sequence, _optimizer_steps, _in_backward = [0], [0], [0]
+    _lock = threading.Lock()
+    _COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
+                    "broadcast", "all_to_all_single", "all_to_all", "isend", "irecv", "send", "recv", "barrier",
+                    "reduce", "gather", "scatter")
+
+    def _tensors_in(value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                yield from _tensors_in(item)
+
+    def _caller():
+        """The innermost calling frame outside the Python and torch installation: [file, line, function]."""
+        installed = (sys.base_prefix, sys.prefix, os.path.dirname(os.__file__), os.path.dirname(__file__))
+        for frame in reversed(traceback.extract_stack()[:-2]):
+            if not frame.filename.startswith(installed) and "site-packages" not in frame.filename:
+                return [frame.filename, frame.lineno, frame.name]
+        return None
+
+    def _note(**fields):
+        _append("collectives.jsonl", json.dumps(dict(pid=os.getpid(), rank=_rank(), restart=_restart(), **fields)))
+
+    class _NotedWork:
+        """The Work an asynchronous collective returns, its wait() noted (when it was called and when it returned)."""
+
+        def __init__(self, work, sequence):
+            self._work, self._sequence = work, sequence
+
+        def wait(self, *args, **kwargs):
+            began = time.time()
+            result = self._work.wait(*args, **kwargs)
+            _note(event="wait", seq=self._sequence, began=began, ended=time.time(), step=_optimizer_steps[0])
+            return result
+
+        def __getattr__(self, name):
+            return getattr(self._work, name)
+
+    def _noting_collective(name, collective):
+        def noting(*args, **kwargs):
+            with _lock:
+                _sequence[0] += 1
+                sequence = _sequence[0]
+            tensors = list(_tensors_in(list(args) + list(kwargs.values())))
+            group = kwargs.get("group")
+            peer = kwargs.get("dst", kwargs.get("src", args[1] if name in ("isend", "irecv", "send", "recv")
+                                                and len(args) > 1 else None))
+            splits = {key: list(kwargs[key]) for key in ("output_split_sizes", "input_split_sizes")
+                      if kwargs.get(key) is not None}
+            if name == "all_to_all_single" and len(args) > 2:
+                splits.update(output_split_sizes=list(args[2] or []), input_split_sizes=list(args[3] or [])
+                              if len(args) > 3 else [])
+            began = time.time()
+            work = collective(*args, **kwargs)
+            _note(event="call", seq=sequence, op=name, began=began, ended=time.time(),
+                  asynchronous=work is not None, bytes=[t.numel() * t.element_size() for t in tensors],
+                  dtypes=sorted({str(t.dtype).replace("torch.", "") for t in tensors}), peer=peer,
+                  group_size=dist.get_world_size(group) if dist.is_initialized() else None,
+                  in_backward=_in_backward[0] > 0, step=_optimizer_steps[0], caller=_caller(), **splits)
+            return _NotedWork(work, sequence) if work is not None else None
+        noting.__wrapped__ = collective
+        return noting
+
+    for _name in _COLLECTIVES:
+        for _module in (dist, dist.distributed_c10d):
+            if hasattr(_module, _name):
+                setattr(_module, _name, _noting_collective(_name, getattr(_module, _name)))
+
+    _backward_for_collectives = torch.Tensor.backward
+
+    def _noting_backward_times(self, *args, **kwargs):
+        began = time.time()
+        _in_backward[0] += 1
+        try:
+            return _backward_for_collectives(self, *args, **kwargs)
+        finally:
+            _in_backward[0] -= 1
+            _note(event="backward", began=began, ended=time.time(), step=_optimizer_steps[0])
+
+    torch.Tensor.backward = _noting_backward_times
+
+    def _state_bytes(optimizer):
+        return sum(value.numel() * value.element_size() for state in optimizer.state.values()
+                   for value in state.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
+
+    def _noting_step_began(optimizer, args, kwargs):
+        _note(event="step", step=_optimizer_steps[0], began=time.time(),
+              params=sum(p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"]),
+              grads=sum(p.grad.numel() * p.grad.element_size() for group in optimizer.param_groups
+                        for p in group["params"] if p.grad is not None))
+
+    def _noting_step_ended(optimizer, args, kwargs):
+        _note(event="stepped", step=_optimizer_steps[0], ended=time.time(), state=_state_bytes(optimizer))
+        _optimizer_steps[0] += 1
+
+    register_optimizer_step_pre_hook(_noting_step_began)
+    register_optimizer_step_post_hook(_noting_step_ended)
+
+if RECORD_DIR and os.environ.get("JOB_RECORD_PLUGINS"):
+    import importlib
+
+    # What one exercise of the workshop needs recorded beyond the above: modules of recorder/plugins/, named in
+    # JOB_RECORD_PLUGINS (comma-separated); each reads this module's _append, _rank and _restart.
+    sys.path.insert(0, os.path.dirname(__file__))
+    for _plugin in os.environ["JOB_RECORD_PLUGINS"].split(","):
+        importlib.import_module(f"plugins.{_plugin}")
