@@ -639,8 +639,10 @@ if RECORD_COLLECTIVES:
                 sequence = _sequence[0]
             tensors = list(_tensors_in(list(args) + list(kwargs.values())))
             group = kwargs.get("group")
-            peer = kwargs.get("dst", kwargs.get("src", args[1] if name in ("isend", "irecv", "send", "recv")
-                                                and len(args) > 1 else None))
+            peers = [kwargs.get(key) for key in ("dst", "src", "group_dst", "group_src")]
+            if name in ("isend", "irecv", "send", "recv") and len(args) > 1:
+                peers.append(args[1])
+            peer = next((peer for peer in peers if peer is not None), None)
             splits = {key: list(kwargs[key]) for key in ("output_split_sizes", "input_split_sizes")
                       if kwargs.get(key) is not None}
             if name == "all_to_all_single" and len(args) > 2:
@@ -657,10 +659,13 @@ if RECORD_COLLECTIVES:
         noting.__wrapped__ = collective
         return noting
 
+    # One wrapper per op, in both modules: torch's own checks compare with the module's functions (P2POp's op must be
+    # distributed_c10d's isend or irecv, and a script passes torch.distributed's).
     for _name in _COLLECTIVES:
-        for _module in (dist, dist.distributed_c10d):
-            if hasattr(_module, _name):
-                setattr(_module, _name, _noting_collective(_name, getattr(_module, _name)))
+        if hasattr(dist.distributed_c10d, _name):
+            _wrapper = _noting_collective(_name, getattr(dist.distributed_c10d, _name))
+            for _module in (dist, dist.distributed_c10d):
+                setattr(_module, _name, _wrapper)
 
     _backward_for_collectives = torch.Tensor.backward
 
