@@ -1,0 +1,255 @@
+"""Exercise 7's checker: DDP by hand. The learner's script runs under torchrun (2 CPU ranks, gloo) with
+--bucket_mb BUCKET_MB for EPOCHS epochs; the recorder notes every all-reduce each rank started (its bytes, whether
+it was asynchronous, whether a gradient hook called it during backward), when each was waited on, each backward and
+each optimizer step. What a correct script does, step by step and rank by rank:
+
+- it all-reduces every gradient once: the bytes of the step's all-reduces are the model's gradients' bytes;
+- as many all-reduces as there are buckets: gradients packed in the order they arrive (the last layer's first), a
+  bucket sent once it holds --bucket_mb MiB, the partly filled last one after backward;
+- the first all-reduce starts during backward, from a hook, asynchronously, so communication overlaps the
+  gradients still being computed;
+- each asynchronous all-reduce is waited on before the optimizer step reads the gradients;
+- and rank 0's final weights are what torch's DistributedDataParallel trains on the same samples: one process
+  stepping on the gradient of the mean loss over both ranks' batches together (computed here, in this process).
+A gradient averaged by the wrong count trains other weights: the checker trains the reference again with the
+gradient that count gives (summed and not divided, divided twice, by the number of parameters, of buckets) and
+names the one the learner's weights match.
+"""
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from exercises.judging import COLLECTIVE_TIMEOUT_S, WORLD_SIZE, exit_problems, line_of
+from tools.jobs import REPO, run, shown, torchrun
+
+SOLUTION = REPO / "exercises" / "7_ddp_by_hand" / "solution.py"
+BUCKET_MB = 0.1  # buckets of 0.1 MiB: the MLP's 8 gradients (466 KB) make 3 of them
+EPOCHS, BATCH_SIZE = 2, 16  # 40 optimizer steps of 16 samples per rank
+SAVED = "hand_ddp.pt"
+WEIGHT_TOLERANCE = 1e-4  # float rounding of two sums over 40 steps stays far below; a factor in the gradient does not
+
+
+def exercise():
+    """The exercise's own model, data and optimizer (the repository's solution.py as a module): what the learner's
+    copy trains too."""
+    spec = importlib.util.spec_from_file_location("ddp_by_hand_solution", SOLUTION)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def arrival_order(module):
+    """[(parameter name, gradient bytes)] in the order backward hands the gradients over (the order their
+    post-accumulate-grad hooks run)."""
+    model = module.make_model()
+    order = []
+    for name, parameter in model.named_parameters():
+        parameter.register_post_accumulate_grad_hook(lambda p, name=name: order.append((name, p.grad.nbytes)))
+    inputs, targets = module.make_dataset()[:BATCH_SIZE]
+    torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    return order
+
+
+def bucket_sizes(gradient_bytes, bucket_mb):
+    """The bytes of each bucket when gradients of these sizes, in this order, fill buckets of bucket_mb MiB: one
+    leaves as soon as it holds that much; the last, partly filled, after backward (bucket_mb 0: one per gradient)."""
+    buckets, filling = [], 0
+    for size in gradient_bytes:
+        filling += size
+        if filling >= bucket_mb * 2**20:
+            buckets.append(filling)
+            filling = 0
+    return buckets + [filling] * (filling > 0)
+
+
+def global_batches(dataset_size, epochs=EPOCHS, batch_size=BATCH_SIZE, seed=None):
+    """Each step's sample indices on every rank together: rank 0's batch, then rank 1's, as DistributedSampler deals
+    them epoch by epoch (set_epoch) and the DataLoader batches them (drop_last)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    from utils import SEED
+
+    batches = []
+    for epoch in range(epochs):
+        shares = []
+        for rank in range(WORLD_SIZE):
+            sampler = DistributedSampler(range(dataset_size), num_replicas=WORLD_SIZE, rank=rank,
+                                         seed=SEED if seed is None else seed)
+            sampler.set_epoch(epoch)
+            shares.append(list(sampler))
+        steps = len(shares[0]) // batch_size
+        batches += [[index for share in shares for index in share[step * batch_size:(step + 1) * batch_size]]
+                    for step in range(steps)]
+    return batches
+
+
+def reference_weights(module, factor=1.0):
+    """The final weights of one process training on both ranks' batches together, the gradient of their mean loss
+    multiplied by `factor` before each step: with factor 1, what DistributedDataParallel's ranks compute."""
+    dataset = module.make_dataset()
+    model = module.make_model()
+    optimizer = module.make_optimizer(model)
+    inputs, targets = dataset.tensors
+    for batch in global_batches(len(dataset)):
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(inputs[batch]), targets[batch]).backward()
+        for parameter in model.parameters():
+            parameter.grad *= factor
+        optimizer.step()
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def wrong_divisors(parameters, buckets):
+    """{factor the averaged gradient is off by: what the script divided the summed gradients by, in words}: the
+    counts a learner divides by instead of the world size."""
+    return {WORLD_SIZE / 1: "by nothing (1): all_reduce sums, so the gradients were the sum over the ranks",
+            WORLD_SIZE / WORLD_SIZE**2: f"twice by the world size (by {WORLD_SIZE**2})",
+            WORLD_SIZE / parameters: f"by the number of parameters ({parameters})",
+            WORLD_SIZE / buckets: f"by the number of buckets ({buckets})"}
+
+
+def reference(module=None):
+    """What the verdicts compare with: {"buckets": expected bucket bytes, "gradient_bytes", "parameters",
+    "weights": {factor: final weights}} (factor 1: the right ones)."""
+    module = module or exercise()
+    order = arrival_order(module)
+    buckets = bucket_sizes([size for _, size in order], BUCKET_MB)
+    factors = [1.0, *wrong_divisors(len(order), len(buckets))]
+    return dict(buckets=buckets, gradient_bytes=sum(size for _, size in order), parameters=len(order),
+                weights={factor: reference_weights(module, factor) for factor in dict.fromkeys(factors)})
+
+
+def where(call, script):
+    """The learner's line that made a recorded call, as their editor shows it (or nothing)."""
+    caller = call.get("caller")
+    if script and caller and Path(caller[0]) == Path(script):
+        return f" ({line_of(script, caller[1], caller[2])})"
+    return ""
+
+
+def steps_of(records):
+    """[(rank, step number, its backward, its gradient all-reduces, the step's own record)] of each process: the
+    all-reduces a rank called from its step's backward's start to the optimizer step (the loss's, before the next
+    backward, are not the gradients')."""
+    steps = []
+    for pid in dict.fromkeys(row["pid"] for row in records):
+        rows = [row for row in records if row["pid"] == pid]
+        for step in (row for row in rows if row["event"] == "step"):
+            backward = [row for row in rows if row["event"] == "backward" and row["step"] == step["step"]]
+            if not backward:
+                continue
+            calls = [row for row in rows if row["event"] == "call" and row["op"] == "all_reduce"
+                     and row["step"] == step["step"] and row["began"] >= backward[-1]["began"]]
+            steps.append((step["rank"], step["step"], backward[-1], calls, step))
+    return steps
+
+
+def communication_problems(records, expected, script=None):
+    """What the all-reduces of each step did wrong, at most one sentence per kind of mistake (its first step).
+    `expected`: reference()'s buckets, gradient_bytes and parameters."""
+    steps = steps_of(records)
+    if not steps:
+        return ["no rank took an optimizer step after a backward: the script must train (loss.backward(), then "
+                "optimizer.step()) on every rank"]
+    problems = {}
+    buckets, gradient_bytes = expected["buckets"], expected["gradient_bytes"]
+    waits = {(row["pid"], row["seq"]): row for row in records if row["event"] == "wait"}
+    for rank, step, backward, calls, began in steps:
+        if not calls:
+            problems.setdefault("none", f"rank {rank} all-reduced no gradient in its step {step}: it stepped with the "
+                                "gradients of its own batch only, so the ranks train different models. Average every "
+                                "gradient over the ranks before optimizer.step(): dist.all_reduce, then divide by the "
+                                "world size (HandDDP.finish, stage 1 of the hints)")
+            continue
+        sent = sum(sum(call["bytes"]) for call in calls)
+        if sent > gradient_bytes:
+            problems.setdefault("twice", f"rank {rank} all-reduced {sent:,} bytes in step {step}, but the model's "
+                                f"gradients are {gradient_bytes:,} bytes: some were sent more than once (a bucket "
+                                "sent again, or one not emptied after it was sent), from "
+                                + "; ".join(dict.fromkeys(where(call, script).strip(" ()") or "torch"
+                                                          for call in calls)))
+        elif sent < gradient_bytes:
+            problems.setdefault("partial", f"rank {rank} all-reduced {sent:,} bytes in step {step}, but the model's "
+                                f"gradients are {gradient_bytes:,} bytes: {gradient_bytes - sent:,} bytes of gradients "
+                                "were never averaged. After backward, finish() must send the bucket backward left "
+                                "partly filled (the first layer's gradients arrive last)")
+        elif len(calls) != len(buckets):
+            filled = (f"--bucket_mb {BUCKET_MB} packs the {expected['parameters']} gradients, in the order they "
+                      f"arrive, into {len(buckets)} buckets ({', '.join(f'{size:,}' for size in buckets)} bytes), "
+                      "one all-reduce each")
+            if len(calls) == expected["parameters"]:
+                what = (f"one all-reduce per parameter ({len(calls)}), whatever --bucket_mb says: {filled}. Put each "
+                        "ready gradient in the bucket being filled and send the bucket once it holds bucket_mb MiB "
+                        "(stage 3)")
+            elif len(calls) == 1:
+                what = (f"one all-reduce for all the gradients, whatever --bucket_mb says: {filled}; send a bucket "
+                        "as soon as it is full, while backward computes the rest")
+            else:
+                what = f"{len(calls)} all-reduces, but {filled}"
+            problems.setdefault("count", f"rank {rank} made {what} (step {step})")
+        first = min(calls, key=lambda call: call["began"])
+        if not first["in_backward"] or first["began"] >= backward["ended"]:
+            problems.setdefault("overlap", f"rank {rank}'s first all-reduce of step {step} began "
+                                f"{(first['began'] - backward['ended']) * 1e3:.1f} ms after its backward ended"
+                                f"{where(first, script)}: nothing overlapped the backward. Start each bucket's "
+                                "all-reduce from a hook as soon as its gradients are ready "
+                                "(parameter.register_post_accumulate_grad_hook) with async_op=True (stage 2)")
+        blocking = [call for call in calls if call["in_backward"] and not call["asynchronous"]]
+        if blocking:
+            problems.setdefault("blocking", f"rank {rank}'s all-reduce in step {step}{where(blocking[0], script)} "
+                                "runs during backward but synchronously: backward stops until it is done, so nothing "
+                                "overlaps. Pass async_op=True and keep its Work, to wait on in finish()")
+        for call in (call for call in calls if call["asynchronous"]):
+            wait = waits.get((call["pid"], call["seq"]))
+            if wait is None or wait["ended"] > began["began"]:
+                when = "never waited on" if wait is None else "waited on only after optimizer.step() began"
+                problems.setdefault("wait", f"rank {rank}'s asynchronous all-reduce of {sum(call['bytes']):,} bytes "
+                                    f"in step {step}{where(call, script)} was {when}: until work.wait() returns, "
+                                    "gloo may still be summing the buffer, and the step reads whatever is there. "
+                                    "Keep every Work and call wait() on each in finish(), before the step")
+                break
+    return list(problems.values())
+
+
+def largest_difference(weights, other):
+    return max((weights[name].float() - other[name].float()).abs().max().item() for name in other)
+
+
+def weights_problems(weights, expected, structural=False):
+    """Rank 0's final weights against the reference's (expected["weights"][1.0]) and against those of the wrong
+    divisors. `structural`: other verdicts already explain a difference; only a wrong divisor is then named."""
+    if weights is None:
+        return [f"rank 0 saved no weights to {SAVED}: the script must save model.state_dict() there after training"]
+    references = expected["weights"]
+    if set(weights) != set(references[1.0]):
+        return [f"the weights saved to {SAVED} are not the exercise's MLP's (keys {sorted(weights)[:3]}...): save "
+                "the plain model's state_dict()"]
+    if largest_difference(weights, references[1.0]) <= WEIGHT_TOLERANCE:
+        return []
+    named = wrong_divisors(expected["parameters"], len(expected["buckets"]))
+    for factor, words in named.items():
+        if largest_difference(weights, references[factor]) <= WEIGHT_TOLERANCE:
+            return [f"rank 0's final weights are those of gradients {factor:g} times the average: the script divides "
+                    f"the summed gradients {words}. The average over the ranks is the sum divided by the world size "
+                    f"({WORLD_SIZE}): divide each bucket once, by dist.get_world_size()"]
+    if structural:
+        return []
+    return [f"rank 0's final weights differ from those torch's DistributedDataParallel trains on the same samples by "
+            f"up to {largest_difference(weights, references[1.0]):.2g}: the averaged gradients are not the mean of "
+            "the ranks' gradients (each bucket's values must go back to the gradients they came from, in order)"]
+
+
+def check(script, workdir, say):
+    cmd = [*torchrun(script, nproc=WORLD_SIZE), "--bucket_mb", BUCKET_MB, "--epochs", EPOCHS, "--batch_size",
+           BATCH_SIZE, "--save", SAVED, "--timeout", COLLECTIVE_TIMEOUT_S]
+    say(f"running: {shown(cmd)}   (every all-reduce, wait, backward and optimizer step recorded)")
+    job = run(cmd, cwd=workdir, logs=workdir / "records", record_collectives=True, timeout=120, check=False)
+    if not job.ok:
+        return exit_problems(job, script)
+    say("computing the reference: one process on both ranks' batches, as DistributedDataParallel trains")
+    expected = reference()
+    problems = communication_problems(job.records("collectives.jsonl"), expected, script)
+    saved = Path(workdir) / SAVED
+    weights = torch.load(saved, map_location="cpu") if saved.exists() else None
+    return problems + weights_problems(weights, expected, structural=bool(problems))
