@@ -1,0 +1,346 @@
+"""Exercise 10's checker: a pipeline schedule by hand. It runs the learner's script twice, `--schedule gpipe` and
+`--schedule 1f1b` (two ranks each, at once), recorded by tools/jobs/recorder/plugins/pipeline_by_hand.py, and judges:
+- the gradients: the first optimizer step's, and every stage's weights after the last step, against one process
+  training the script's whole model on the same batches, each micro-batch's loss divided by M;
+- the order: each rank's forwards and backwards, micro-batch by micro-batch (which micro-batch a backward ran is
+  measured: the activations autograd handed it), against the schedule's;
+- the memory: the activations a rank held at once (bytes autograd kept, measured), at most p micro-batches' with 1F1B;
+- the waits: a rank that waited for the other forever (a deadlock) is named with its line, and every isend or irecv
+  must be waited for.
+"""
+import importlib.util
+import time
+
+import torch
+
+from exercises.judging import exit_problems, lines_in, listed
+from tools.jobs import shown, start, torchrun
+
+STAGES = 2  # the script's pipeline: one stage per rank
+MICROBATCHES, BATCH_SIZE, STEPS = 4, 16, 30
+P2P_TIMEOUT_S = 15  # passed as --timeout: a rank stuck in a send or receive fails after this long
+JOB_LIMIT_S = 180  # each run's bound, past the timeout above, for a machine under load
+SCHEDULES = ("gpipe", "1f1b")
+NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+TOLERANCE = 1e-5  # relative: the stages compute the same operations as one process, in the same order
+PLUGIN = "pipeline_by_hand"
+
+
+def expected_order(schedule, rank, microbatches, stages=STAGES):
+    """The passes rank `rank` of `stages` runs in one step, as ["F0", "F1", "B0", ...]."""
+    forwards, backwards = [f"F{i}" for i in range(microbatches)], [f"B{i}" for i in range(microbatches)]
+    if schedule == "gpipe":
+        return forwards + backwards
+    warmup = min(stages - 1 - rank, microbatches)
+    steady = [passed for pair in zip(forwards[warmup:], backwards) for passed in pair]
+    return forwards[:warmup] + steady + backwards[microbatches - warmup:]
+
+
+def passes_of(records):
+    """{rank: {step: ["F0", "B0", ...]}}: the passes each rank ran, step by step, as the recorder measured them."""
+    passes = {}
+    for row in records:
+        if row["event"] == "forward":
+            name = f"F{row['microbatch']}"
+        elif row["event"] == "backward":
+            name = "B" + "+".join(map(str, row["microbatches"]))
+        else:
+            continue
+        passes.setdefault(row["rank"], {}).setdefault(row["step"], []).append(name)
+    return passes
+
+
+def explained(schedule):
+    if schedule == "gpipe":
+        return "GPipe runs every forward, then every backward, in the order of the forwards"
+    return ("in 1F1B rank r of p first runs p-1-r forwards (the warm-up), then alternates one forward and one "
+            "backward, then runs the backwards left")
+
+
+def capitalized(sentence):
+    return sentence[:1].upper() + sentence[1:]
+
+
+def order_problems(records, schedule, microbatches=MICROBATCHES):
+    """Each rank's passes, step by step, against the schedule's order; the first difference, said."""
+    for rank, steps in sorted(passes_of(records).items()):
+        expected = expected_order(schedule, rank, microbatches)
+        for step, ran in sorted(steps.items()):
+            if ran == expected:
+                continue
+            position = next((index for index, (a, b) in enumerate(zip(ran, expected)) if a != b),
+                            min(len(ran), len(expected)))
+            what = (f"it ran {ran[position]} and {NAMES[schedule]} runs {expected[position]}"
+                    if position < min(len(ran), len(expected)) else
+                    f"it stopped there and {NAMES[schedule]} runs {expected[position]}" if position < len(expected)
+                    else f"{NAMES[schedule]} has run all of its passes and it ran {ran[position]}")
+            return [f"with --schedule {schedule}, rank {rank} ran the passes of step {step} as {' '.join(ran)}, but "
+                    f"{NAMES[schedule]}'s order for rank {rank} of {STAGES} is {' '.join(expected)} (F: forward, "
+                    f"B: backward, of that micro-batch). They differ first at pass {position + 1}, where {what}: "
+                    f"{explained(schedule)}"]
+    return []
+
+
+def held_at_once(records, rank):
+    """(the most bytes of activations rank `rank` held at once, the bytes one micro-batch's forward kept) over the
+    run; (0, 0) without a forward."""
+    mine = [row for row in records if row["rank"] == rank and row["event"] in ("forward", "backward")]
+    one = max((row["saved"] for row in mine if row["event"] == "forward"), default=0)
+    return max((row["live"] for row in mine), default=0), one
+
+
+def memory_problems(records, schedule):
+    """1F1B holds at most p micro-batches' activations at once on a stage (GPipe: all M)."""
+    if schedule != "1f1b":
+        return []
+    for rank in sorted({row["rank"] for row in records}):
+        most, one = held_at_once(records, rank)
+        if one and most > STAGES * one:
+            return [f"with --schedule 1f1b rank {rank} held the activations of {most / one:.0f} micro-batches at "
+                    f"once ({most:,} bytes; one micro-batch's forward keeps {one:,}), and 1F1B holds at most "
+                    f"p = {STAGES}: a micro-batch's activations are freed by its backward, so 1F1B runs each "
+                    "backward as soon as it can (after p-1-r forwards on rank r). If the order is 1F1B's, "
+                    "something keeps the activations after their backward: backward(..., retain_graph=True) keeps "
+                    "them as long as the output is referenced"]
+    return []
+
+
+def calls_of(records):
+    """{(pid, seq): the "call" row of that point-to-point operation}."""
+    return {(row["pid"], row["seq"]): row for row in records if row["event"] == "call"}
+
+
+def operation(call, script):
+    """`a recv from rank 1 at line N (in backward: `...`), called from line M (...)`."""
+    what = {"isend": "an isend to", "send": "a send to", "irecv": "an irecv from", "recv": "a recv from"}
+    where = lines_in(call["stack"], script)
+    return f"{what.get(call['op'], call['op'])} rank {call['peer']}" + (
+        f" at {', called from '.join(where)}" if where else "")
+
+
+def hang_problems(records, schedule, script):
+    """The waits that began and never returned (or returned only as the timeout ran out): each rank's last, with what
+    it had run of its step."""
+    calls, ended = calls_of(records), {}
+    for row in records:
+        if row["event"] == "waited":
+            ended[(row["pid"], row["seq"])] = row["error"]
+    stuck = {}
+    for row in records:
+        key = (row["pid"], row["seq"]) if row["event"] == "waiting" else None
+        if key and (key not in ended or ended[key]):
+            stuck.setdefault(row["rank"], (row, calls.get(key)))
+    if not stuck:
+        return []
+    passes = passes_of(records)
+    said = []
+    for rank, (row, call) in sorted(stuck.items()):
+        ran = passes.get(rank, {}).get(row["step"], [])
+        said.append(f"rank {rank} waited for {operation(call, script) if call else 'an operation'} in step "
+                    f"{row['step']}, after {' '.join(ran) if ran else 'no pass'}")
+    ops = {call["op"] for _, call in stuck.values() if call}
+    if ops and ops <= {"irecv", "recv"} and len(stuck) > 1:
+        why = ("each rank waits to receive what the other sends only after its own receive returns: the two ranks' "
+               "orders do not match (what one sends next must be what the other receives next)")
+    elif ops & {"isend", "send"}:
+        why = ("a send waited for at once blocks until the other rank receives it (gloo completes a send only then), "
+               "and that rank is itself blocked: post the isend, go on, and wait for its Work later, before the "
+               "optimizer step")
+    else:
+        why = "a rank waits for something the other never sends"
+    return [f"with --schedule {schedule} the ranks hung until the --timeout of {P2P_TIMEOUT_S} s ran out: "
+            f"{'; '.join(said)}. A deadlock: {why}. {capitalized(explained(schedule))}"]
+
+
+def wait_problems(records, script):
+    """Every isend and irecv must be waited for: a sent tensor may not change before its send completed, a received
+    one is not there before its wait, and an error shows only in the wait."""
+    waited = {(row["pid"], row["seq"]) for row in records if row["event"] == "waiting"}
+    for op in ("isend", "irecv"):
+        never = [call for key, call in calls_of(records).items() if call["op"] == op and key not in waited]
+        if never:
+            ranks = sorted({call["rank"] for call in never})
+            return [f"rank {listed(ranks)} never waited for {len(never)} of its {op}s, the first "
+                    f"{operation(never[0], script)}: keep the Work each {op} returns and call its wait() "
+                    + ("before the tensor sent is changed or freed, at the latest before the optimizer step (an "
+                       "error of the send shows only there)" if op == "isend" else
+                       "before reading the tensor: until then it is not there")]
+    return []
+
+
+def load(script):
+    """The learner's script as a module (its main() does not run): its model, batches and learning rate."""
+    spec = importlib.util.spec_from_file_location("learners_pipeline", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference(script_module, steps=STEPS, batch_size=BATCH_SIZE, microbatches=MICROBATCHES):
+    """One process training the script's whole model on the same batches, micro-batch by micro-batch, each loss
+    divided by M: {"grads": the first step's gradients in the parameters' order, "weights": the state after the
+    last step}."""
+    model = script_module.whole_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=script_module.LEARNING_RATE)
+    first = None
+    for step in range(steps):
+        inputs, targets = script_module.batch(step, batch_size)
+        for source, target in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
+            (script_module.loss_fn(model(source), target) / microbatches).backward()
+        if first is None:
+            first = [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return dict(grads=first, weights={name: value.clone() for name, value in model.state_dict().items()})
+
+
+def close(a, b):
+    return a.shape == b.shape and torch.allclose(a, b, rtol=TOLERANCE, atol=TOLERANCE * float(b.abs().max()))
+
+
+def gradient_problems(grads, expected, records, schedule, microbatches=MICROBATCHES):
+    """The first step's gradients of each rank ({rank: [tensor, ...] in its optimizer's order}) against one process's
+    (`expected`, the whole model's, in order: rank 0 holds the first ones, rank 1 the last)."""
+    own = {rank: expected[:len(tensors)] if rank == 0 else expected[len(expected) - len(tensors):]
+           for rank, tensors in grads.items()}
+    wrong = {}
+    for rank, tensors in sorted(grads.items()):
+        if any(t is None for t in tensors):
+            return [f"with --schedule {schedule}, rank {rank}'s parameters had no gradient at the first optimizer "
+                    "step: run a backward of every micro-batch through the stage's layers before it"]
+        if [t.shape for t in tensors] != [t.shape for t in own[rank]]:
+            return [f"with --schedule {schedule}, rank {rank} updated parameters of shapes "
+                    f"{[tuple(t.shape) for t in tensors]}, where its half of the whole model has "
+                    f"{[tuple(t.shape) for t in own[rank]]}: keep cut(whole_model(), rank)"]
+        if not all(close(a, b) for a, b in zip(tensors, own[rank])):
+            wrong[rank] = tensors
+    if not wrong:
+        return []
+    flat = {rank: (torch.cat([t.flatten() for t in tensors]), torch.cat([t.flatten() for t in own[rank]]))
+            for rank, tensors in wrong.items()}
+    scales = {rank: float(got @ want / (want @ want)) for rank, (got, want) in flat.items()}
+    if all(torch.allclose(got, scales[rank] * want, rtol=1e-4, atol=1e-6) for rank, (got, want) in flat.items()):
+        factors = sorted({round(scale, 2) for scale in scales.values()})
+        if factors == [float(microbatches)] and len(wrong) == STAGES:
+            return [f"with --schedule {schedule}, the first step's gradients are {microbatches:.2f} times one "
+                    f"process's on every stage: each micro-batch's loss must be divided by M ({microbatches}), so "
+                    "that the M micro-batches' gradients add up to the gradient of the batch's mean loss, not to "
+                    "M times it"]
+        return [f"with --schedule {schedule}, rank {listed(sorted(wrong))}'s gradients of the first step are "
+                f"{listed([f'{scale:.2f}' for scale in scales.values()])} times one process's: each micro-batch's "
+                f"loss is divided by M ({microbatches}), once, and every micro-batch runs one backward"]
+    rank = min(wrong)
+    got, want = flat[rank]
+    off = float((got - want).abs().max() / want.abs().max())
+    mismatch = mismatched_gradients(records, rank)
+    why = (f"in step 0 its backward number {mismatch[0] + 1} ran micro-batch {mismatch[1]} with the gradient rank "
+           f"{rank + 1} sent for micro-batch {mismatch[2]}: each backward needs the gradient of its own micro-batch's "
+           "output, and the stage after sends them in the order of its backwards (the oldest micro-batch in "
+           "flight first)" if mismatch else
+           "every micro-batch runs one forward and one backward per step, each backward with the gradient of its own "
+           "micro-batch's output")
+    return [f"with --schedule {schedule}, rank {listed(sorted(wrong))}'s gradients of the first step differ from "
+            f"one process's (rank {rank}'s by up to {off:.0%} of the largest): {why}"]
+
+
+def mismatched_gradients(records, rank):
+    """(k, the micro-batch rank `rank`'s k-th backward ran, the one whose gradient rank+1 sent k-th) in step 0, or
+    None: the stage after sends its input's gradient after each of its backwards, in their order."""
+    passes = passes_of(records)
+    mine = [name for name in passes.get(rank, {}).get(0, []) if name.startswith("B")]
+    theirs = [name for name in passes.get(rank + 1, {}).get(0, []) if name.startswith("B")]
+    for index, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            return index, a[1:], b[1:]
+    return None
+
+
+def weight_problems(saved, expected, schedule, steps=STEPS):
+    """Each rank's weights after the last step ({rank: its stage's state_dict}) against one process's, by name."""
+    for rank, state in sorted(saved.items()):
+        for name, value in state.items():
+            if name not in expected or not close(value, expected[name]):
+                return [f"with --schedule {schedule}, rank {rank}'s weight {name} after {steps} steps differs from "
+                        "one process's although the first step's gradients were the same: a later step computed "
+                        "other gradients (each step must start from zero gradients, and use only its own "
+                        "micro-batches)"]
+    return []
+
+
+def judged(job, schedule, script, expected):
+    """What one run of `schedule` got wrong, from its records and the files it saved."""
+    records = job.records(f"{PLUGIN}.jsonl")
+    hung = hang_problems(records, schedule, script) if not job.ok else []
+    if hung:
+        return hung
+    if not job.ok:
+        return [f"with --schedule {schedule}, {problem}" for problem in exit_problems(job, script)]
+    problems = wait_problems(records, script) + order_problems(records, schedule)
+    problems += memory_problems(records, schedule)
+    grads = {}
+    for rank in range(STAGES):
+        path = job.logs_dir / f"{PLUGIN}_grads_rank{rank}.pt"
+        if not path.exists():
+            return problems + [f"with --schedule {schedule}, rank {rank} took no optimizer step"]
+        grads[rank] = torch.load(path)
+    wrong = gradient_problems(grads, expected["grads"], records, schedule)
+    if wrong:
+        return problems + wrong
+    saved = {}
+    for rank in range(STAGES):
+        path = job.cwd / f"stage{rank}.pt"
+        if not path.exists():
+            return problems + [f"with --schedule {schedule}, rank {rank} saved no stage{rank}.pt: each rank saves its "
+                               "stage's weights at the end (torch.save(module.state_dict(), f\"stage{rank}.pt\"))"]
+        saved[rank] = torch.load(path)
+    return problems + weight_problems(saved, expected["weights"], schedule)
+
+
+def check(script, workdir, say):
+    """Exercise 10: both schedules, two ranks each, run at once; then one process's training in this one."""
+    jobs = {}
+    try:
+        for schedule in SCHEDULES:
+            folder = workdir / schedule
+            folder.mkdir(parents=True, exist_ok=True)
+            cmd = [*torchrun(script, nproc=STAGES), "--schedule", schedule, "--microbatches", MICROBATCHES,
+                   "--batch_size", BATCH_SIZE, "--steps", STEPS, "--timeout", P2P_TIMEOUT_S]
+            say(f"running: {shown(cmd)}")
+            jobs[schedule] = start(cmd, cwd=folder, logs=folder / "records", record=True,
+                                   env={"JOB_RECORD_PLUGINS": PLUGIN})
+        deadline = time.monotonic() + JOB_LIMIT_S
+        for job in jobs.values():
+            job.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        for job in jobs.values():
+            job.stop()
+    expected = None
+    if any(job.ok for job in jobs.values()):
+        try:
+            expected = reference(load(script))
+        except (AttributeError, TypeError) as error:
+            return [f"the checker trains the script's whole_model() on its batch(step, size) and loss_fn with SGD at "
+                    f"its LEARNING_RATE in one process, and could not: {error}"]
+    problems = []
+    for schedule, job in jobs.items():
+        problems += judged(job, schedule, script, expected)
+        if job.ok:
+            most, one = held_at_once(job.records(f"{PLUGIN}.jsonl"), 0)
+            if one:
+                say(f"{NAMES[schedule]}: rank 0 held at most {most / one:.0f} micro-batches' activations at once "
+                    f"({most:,} bytes)")
+    return merged(problems)
+
+
+def merged(problems):
+    """The problems, each once: a verdict that both schedules got is said once, for both."""
+    both = "with --schedule gpipe and with --schedule 1f1b"
+    said = []
+    for problem in problems:
+        twin = problem.replace("--schedule gpipe", "--schedule 1f1b")
+        if "--schedule gpipe" in problem and twin in problems:
+            problem = problem.replace("with --schedule gpipe", both)
+        elif "--schedule 1f1b" in problem and problem.replace("--schedule 1f1b", "--schedule gpipe") in problems:
+            continue
+        said.append(problem)
+    return list(dict.fromkeys(said))
