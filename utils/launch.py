@@ -64,6 +64,73 @@ def _stop_on_ctrl_c(signum, _frame):
     os._exit(130)
 
 
+# The Flight Recorder (docs/flight-recorder.md): torch keeps each rank's last collectives when one of these variables
+# gives it a number of entries (the second is the older name), and a dump goes to one of these prefixes plus the rank.
+FLIGHT_RECORDER_SIZE = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+FLIGHT_RECORDER_PREFIX = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"  # torch's own default
+
+
+def flight_recorder_on():
+    sizes = [os.environ.get(name, "").strip() for name in FLIGHT_RECORDER_SIZE]
+    return any(size.isdigit() and int(size) > 0 for size in sizes)
+
+
+def dump_prefix():
+    """Where the Flight Recorder's dumps go: this prefix plus each rank's number."""
+    return next((os.environ[name] for name in FLIGHT_RECORDER_PREFIX if os.environ.get(name)), DEFAULT_DUMP_PREFIX)
+
+
+def dump_flight_recorder():
+    """Write this rank's Flight Recorder (its last collectives, each with the Python lines that called it) to the dump
+    prefix plus the rank, as torch's analyzer reads it (`torchfrtrace FOLDER -p PREFIX`); the path written, or a
+    sentence saying why there is none. NCCL's watchdog writes such a dump when a collective times out; gloo writes
+    none, so the steps write it here, when a collective gave up, and a script may call this at its end. torch 2.14
+    records gloo's groups without their names (pg_config holds one group named ''), and the analyzer then stops with a
+    KeyError: the table is filled in from torch.distributed's own list of groups."""
+    import pickle
+
+    import torch
+
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump is None:
+        return f"torch {torch.__version__} has no Flight Recorder for gloo (torch 2.14 has)"
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    try:
+        trace = pickle.loads(dump())
+        world = dist.distributed_c10d._world
+        groups = {name: {"name": name, "desc": getattr(group, "group_desc", name),
+                         "ranks": str(sorted(world.pg_group_ranks.get(group, {})))}
+                  for group, name in (world.pg_names.items() if dist.is_initialized() else ())}
+        trace["pg_config"] = {**{key: value for key, value in trace.get("pg_config", {}).items() if key}, **groups}
+        with open(f"{dump_prefix()}{rank}", "wb") as file:
+            pickle.dump(trace, file)
+    except Exception as error:  # a dump must never hide the error it goes with
+        return f"no Flight Recorder dump ({type(error).__name__}: {error})"
+    return f"{dump_prefix()}{rank}"
+
+
+def _where_the_dump_is():
+    """What a collective's one-line timeout ends with: where this rank's Flight Recorder dump is, when it is on."""
+    if not flight_recorder_on():
+        return ""
+    written = dump_flight_recorder()
+    if not os.path.isfile(written):
+        return f"; {written}"
+    folder, prefix = os.path.split(os.path.abspath(dump_prefix()))
+    return f"; the Flight Recorder's dump is {written} (every rank's: torchfrtrace {folder} -p {prefix})"
+
+
+def _wait_for_the_other_dumps(timeout_s):
+    """Once this rank wrote its dump, wait (at most timeout_s) until every rank of the job has written its own: the
+    first rank to stop makes torchrun stop the others, and a rank stopped before its own collective gave up would leave
+    no dump, which the analyzer needs from every rank."""
+    world_size, deadline = int(os.environ.get("WORLD_SIZE", 1)), time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not all(os.path.isfile(f"{dump_prefix()}{rank}")
+                                                  for rank in range(world_size)):
+        time.sleep(POLL_S)
+
+
 def known_cause(error, timeout_s):
     """The one line a torchrun worker stops with for an error whose cause is known (None for any other), found in
     `error` or the errors it was raised from (torch.distributed.pipelining re-raises a failed send as the cause of its
@@ -88,13 +155,13 @@ def known_cause(error, timeout_s):
         if waited:
             return (f"error: rank {rank}: a collective gave up after --timeout {timeout_s} s "
                     f"({waited[0].rstrip('. ')}): a rank is stuck or gone; the last snapshot is kept, and the same "
-                    "command resumes from it")
+                    "command resumes from it" + _where_the_dump_is())
         gone = re.search(r"Connection (?:closed|reset) by peer|remote process exited", message)
         if gone:
             where = re.search(r"\[([^\]\s]+)\]:\d+", message)
             return (f"error: rank {rank}: a peer is gone ({gone[0]}" + (f", at {where[1]}" if where else "") + "), "
                     "so this rank stops too: torchrun restarts every worker from the last snapshot if --max_restarts "
-                    "allows, else the same command resumes from it")
+                    "allows, else the same command resumes from it" + _where_the_dump_is())
         error = error.__cause__ or error.__context__
     return None
 
@@ -111,6 +178,8 @@ def _one_line_for_known_causes(timeout_s, shown):
         with contextlib.suppress(Exception):
             sys.stdout.flush()
         os.write(2, f"{line}\n".encode())
+        if "the Flight Recorder's dump is" in line:
+            _wait_for_the_other_dumps(timeout_s)
         os._exit(1)
 
     return hook
