@@ -169,16 +169,20 @@ def test_the_start_file_gathers_the_whole_model_and_the_checker_says_so(tmp_path
                     r"parameters of blocks 0, 1, 2 and 3", problem), problem
 
 
+# The learner's mistakes, as edits of the solution: the root sharded before the blocks (its unit takes every
+# parameter); the blocks sharded but not the root; a unit per nn.Linear; the blocks kept whole after their forward;
+# the optimizer made before fully_shard replaced the parameters.
 BLOCKS = r"    for block in model\.blocks:\n        fully_shard\(block, mesh=mesh, reshard_after_forward=True\)\n"
 ROOT = r"    fully_shard\(model, mesh=mesh\)\n"
-ROOT_FIRST = (BLOCKS + r"((?:    #.*\n)*)" + ROOT,
-              "    fully_shard(model, mesh=mesh)\n    for block in model.blocks:\n        fully_shard(block, mesh=mesh)\n")
+ROOT_FIRST = (BLOCKS + r"(?:    #.*\n)*" + ROOT, "    fully_shard(model, mesh=mesh)\n"
+              "    for block in model.blocks:\n        fully_shard(block, mesh=mesh)\n")
 NO_ROOT = (ROOT, "")
 KEPT_WHOLE = (r"reshard_after_forward=True\)", "reshard_after_forward=False)")
 EVERY_LINEAR = (r"fully_shard\(block, mesh=mesh, reshard_after_forward=True\)",
                 "for linear in (block.up, block.down):\n            fully_shard(linear, mesh=mesh)")
-OPTIMIZER_FIRST = (r'    shard\(model, init_device_mesh\("cpu", \(world_size,\)\)\)\n    optimizer = make_optimizer.*\n',
-                   '    optimizer = make_optimizer(model)\n    shard(model, init_device_mesh("cpu", (world_size,)))\n')
+SHARD_CALL = '    shard(model, init_device_mesh("cpu", (world_size,)))\n'
+OPTIMIZER_FIRST = (re.escape(SHARD_CALL) + r"    optimizer = make_optimizer.*\n",
+                   "    optimizer = make_optimizer(model)\n" + SHARD_CALL)
 DIFFERS = r"the training differs from DDP's: at step 1 the ranks' mean loss was [\d.]+, where one process"
 
 
