@@ -175,16 +175,19 @@ def traffic_problems(dispatches, routes, finished, script=None):
     for call in dispatches:
         given = {name: call[f"{name}_split_sizes"] for name in ("input", "output")}
         rows = dict(input=call["rows_in"], output=call["rows_out"])
-        if any(given[name] is not None and sum(given[name]) != rows[name] for name in given):
-            sizes = " and ".join(f"{name}_split_sizes {given[name]} ({sum(given[name] or [])} rows) for an {name} of "
-                                 f"{rows[name]} rows" for name in given if given[name] is not None)
+        wrong = [name for name in given if given[name] is not None and sum(given[name]) != rows[name]]
+        if wrong:
+            sizes = " and ".join(f"{name}_split_sizes {given[name]} ({sum(given[name])} rows) for an {name} of "
+                                 f"{rows[name]} rows" for name in wrong)
+            swapped = (given["input"] is not None and given["output"] is not None
+                       and sum(given["input"]) == rows["output"] and sum(given["output"]) == rows["input"])
             backward = (" (in backward, which sends the gradients the way back: the forward's split sizes, send and "
                         "receive swapped)" if call["in_backward"] else "")
             return [f"in round {call['round']} rank {call['rank']} called all_to_all_single"
-                    f"{where_called(call, script)} with {sizes}: output_split_sizes are the rows it receives from "
-                    "each rank (what the counts exchanged say), adding up to the output's rows; input_split_sizes the "
-                    f"rows it sends to each, adding up to the input's{backward}"]
-
+                    f"{where_called(call, script)} with {sizes}{': the two are swapped' if swapped else ''}. "
+                    "output_split_sizes are the rows it receives from each rank (what the counts exchanged say), "
+                    f"adding up to the output's rows; input_split_sizes the rows it sends to each, adding up to the "
+                    f"input's{backward}"]
     for number, route in enumerate(routes):
         for rank in range(WORLD_SIZE):
             call = tokens_call(rank, number)
