@@ -24,6 +24,8 @@ SCHEDULES = ("gpipe", "1f1b")
 NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
 TOLERANCE = 1e-5  # relative: the stages compute the same operations as one process, in the same order
 PLUGIN = "pipeline_by_hand"
+RECORD = f"{PLUGIN}.jsonl"
+QUIET_S = 5  # every rank waiting for the other and nothing recorded for this long: a deadlock, stopped there
 
 
 def expected_order(schedule, rank, microbatches, stages=STAGES):
@@ -119,8 +121,8 @@ def operation(call, script):
 
 
 def hang_problems(records, schedule, script):
-    """The waits that began and never returned (or returned only as the timeout ran out): each rank's last, with what
-    it had run of its step."""
+    """The waits that began and never returned (or returned only as the --timeout ran out), each rank's first, with
+    what it had run of its step."""
     calls, ended = calls_of(records), {}
     for row in records:
         if row["event"] == "waited":
@@ -139,7 +141,14 @@ def hang_problems(records, schedule, script):
         said.append(f"rank {rank} waited for {operation(call, script) if call else 'an operation'} in step "
                     f"{row['step']}, after {' '.join(ran) if ran else 'no pass'}")
     ops = {call["op"] for _, call in stuck.values() if call}
-    if ops and ops <= {"irecv", "recv"} and len(stuck) > 1:
+    waited = {(row["pid"], row["seq"]) for row in records if row["event"] == "waiting"}
+    dropped = [call for key, call in calls.items() if call["op"] == "isend" and key not in waited]
+    if dropped:
+        why = (f"rank {listed(sorted({call['rank'] for call in dropped}))} never waited for {len(dropped)} of its "
+               f"isends, the first {operation(dropped[0], script)}: a Work dropped before its send completed can "
+               "take the send with it, and the other rank waits for what never comes. Keep each isend's Work and "
+               "wait() for it before the optimizer step")
+    elif ops and ops <= {"irecv", "recv"} and len(stuck) > 1:
         why = ("each rank waits to receive what the other sends only after its own receive returns: the two ranks' "
                "orders do not match (what one sends next must be what the other receives next)")
     elif ops & {"isend", "send"}:
@@ -148,8 +157,8 @@ def hang_problems(records, schedule, script):
                "optimizer step")
     else:
         why = "a rank waits for something the other never sends"
-    return [f"with --schedule {schedule} the ranks hung until the --timeout of {P2P_TIMEOUT_S} s ran out: "
-            f"{'; '.join(said)}. A deadlock: {why}. {capitalized(explained(schedule))}"]
+    return [f"with --schedule {schedule} the ranks hung, each waiting for the other: {'; '.join(said)}. A deadlock: "
+            f"{why}. {capitalized(explained(schedule))}"]
 
 
 def wait_problems(records, script):
@@ -269,7 +278,7 @@ def weight_problems(saved, expected, schedule, steps=STEPS):
 
 def judged(job, schedule, script, expected):
     """What one run of `schedule` got wrong, from its records and the files it saved."""
-    records = job.records(f"{PLUGIN}.jsonl")
+    records = job.records(RECORD)
     hung = hang_problems(records, schedule, script) if not job.ok else []
     if hung:
         return hung
@@ -296,6 +305,30 @@ def judged(job, schedule, script, expected):
     return problems + weight_problems(saved, expected["weights"], schedule)
 
 
+def pending(records):
+    """The ranks in a wait that has not returned."""
+    ended = {(row["pid"], row["seq"]) for row in records if row["event"] == "waited"}
+    return {row["rank"] for row in records if row["event"] == "waiting" and (row["pid"], row["seq"]) not in ended}
+
+
+def until_deadlocked(jobs):
+    """Wait for the jobs ({schedule: job}) to end, each within JOB_LIMIT_S; a job whose ranks all wait and whose records
+    have not grown for QUIET_S is deadlocked: stopped there, not left to its --timeout."""
+    deadline, sizes = time.monotonic() + JOB_LIMIT_S, {}
+    while any(job.running() for job in jobs.values()) and time.monotonic() < deadline:
+        for schedule, job in jobs.items():
+            path = job.logs_dir / RECORD
+            size = path.stat().st_size if path.exists() else 0
+            if sizes.get(schedule, (None,))[0] != size:
+                sizes[schedule] = (size, time.monotonic())
+            elif (job.running() and time.monotonic() - sizes[schedule][1] > QUIET_S
+                  and len(pending(job.records(RECORD))) == STAGES):
+                job.stop()
+        time.sleep(0.2)
+    for job in jobs.values():
+        job.wait(max(1.0, deadline - time.monotonic()))
+
+
 def check(script, workdir, say):
     """Exercise 10: both schedules, two ranks each, run at once; then one process's training in this one."""
     jobs = {}
@@ -308,9 +341,7 @@ def check(script, workdir, say):
             say(f"running: {shown(cmd)}")
             jobs[schedule] = start(cmd, cwd=folder, logs=folder / "records", record=True,
                                    env={"JOB_RECORD_PLUGINS": PLUGIN})
-        deadline = time.monotonic() + JOB_LIMIT_S
-        for job in jobs.values():
-            job.wait(max(1.0, deadline - time.monotonic()))
+        until_deadlocked(jobs)
     finally:
         for job in jobs.values():
             job.stop()
@@ -325,7 +356,7 @@ def check(script, workdir, say):
     for schedule, job in jobs.items():
         problems += judged(job, schedule, script, expected)
         if job.ok:
-            most, one = held_at_once(job.records(f"{PLUGIN}.jsonl"), 0)
+            most, one = held_at_once(job.records(RECORD), 0)
             if one:
                 say(f"{NAMES[schedule]}: rank 0 held at most {most / one:.0f} micro-batches' activations at once "
                     f"({most:,} bytes)")
