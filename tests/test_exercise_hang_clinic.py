@@ -1,0 +1,176 @@
+"""Exercise 12, the hang clinic: each verdict of exercises/inside/hang_clinic.py on Flight Recorder dumps and results
+made up here, the one-rank reference, and (slow) the start file and seeded mistakes of the solution run for real,
+each reaching its own verdict."""
+import re
+
+import pytest
+
+from exercises.inside import hang_clinic
+from exercises.inside.hang_clinic import (CASES, START, diagnosis_problems, one_rank_collectives, parting,
+                                          read_diagnosis, reference_results, result_problems)
+from mistakes import seeded
+from tools.jobs import REPO
+
+SOLUTION = "exercises/12_hang_clinic/solution.py"
+LIBRARY = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+
+
+def entry(record, collective, line, caller=120):
+    """One entry of a rank's Flight Recorder dump, its frames innermost first: torch's function, then start.py's."""
+    return {"record_id": record, "profiling_name": f"gloo:{collective}",
+            "frames": [{"name": collective, "filename": LIBRARY, "line": 3906},
+                       {"name": "helper", "filename": str(START), "line": line},
+                       {"name": "train", "filename": str(START), "line": caller}]}
+
+
+def dumps(*calls_per_rank):
+    return {rank: {"entries": [entry(record, *call) for record, call in enumerate(calls)], "pg_config": {}}
+            for rank, calls in enumerate(calls_per_rank)}
+
+
+def test_the_rank_unlike_the_others_at_the_first_parting_is_found_with_its_collective_and_line():
+    steady = [("all_reduce", 64), ("all_reduce", 64)]
+    found = parting(dumps([*steady, ("reduce", 93)], [*steady, ("all_reduce", 64)], [*steady, ("all_reduce", 64)]),
+                    START)
+    assert found == {"rank": 0, "collective": "reduce", "line": 93, "others": [("all_reduce", 64)], "position": 3}
+
+
+def test_the_lone_rank_may_be_any_rank_and_the_line_is_start_pys_innermost():
+    found = parting(dumps([("all_reduce", 158)], [("all_reduce", 158)], [("barrier", 185)]), START)
+    assert (found["rank"], found["collective"], found["line"]) == (2, "barrier", 185)
+
+
+def test_ranks_that_never_part_or_part_evenly_name_no_rank():
+    assert parting(dumps([("all_reduce", 64)] * 3, [("all_reduce", 64)] * 3, [("all_reduce", 64)] * 3), START) is None
+    assert parting(dumps([("reduce", 93)], [("reduce", 93)], [("all_reduce", 64)], [("all_reduce", 64)]),
+                   START) is None
+
+
+TRUTH = {"rank": 0, "collective": "broadcast", "line": 125, "others": [("barrier", 137)], "position": 1}
+
+
+def named(rank=0, collective="broadcast", line=125):
+    return {"order": {"rank": rank, "collective": collective, "line": line}}
+
+
+def test_a_diagnosis_that_names_the_rank_the_collective_and_the_line_passes():
+    assert diagnosis_problems("order", named(), TRUTH) == []
+    assert diagnosis_problems("order", named(collective="dist.broadcast"), TRUTH) == []
+
+
+@pytest.mark.parametrize("diagnosis, verdict", [
+    ({"order": {"rank": None, "collective": None, "line": None}}, r"^case order: DIAGNOSIS\['order'\] is not filled "
+     r"in: run the case with the Flight Recorder on"),
+    ({}, r"is not filled in"),
+    (named(rank=1), r"^case order: the diagnosis names rank 1, but that rank called what the others called"),
+    (named(collective="barrier"), r"^case order: the diagnosis names barrier as rank 0's collective, but it called "
+     r"another one there"),
+    (named(line=137), r"^case order: the diagnosis names line 137, but rank 0's broadcast there was called from "
+     r"another line of start.py"),
+], ids=["unfilled", "missing", "wrong rank", "wrong collective", "wrong line"])
+def test_a_wrong_diagnosis_is_told_what_is_wrong_without_the_answer(diagnosis, verdict):
+    [problem] = diagnosis_problems("order", diagnosis, TRUTH)
+    assert re.search(verdict, problem), problem
+    assert "125" not in problem
+
+
+REFERENCE = {"held_out": 0.25, "weights": [-0.9, 1.3]}
+
+
+def test_the_result_of_the_correct_program_passes_within_float_rounding():
+    assert result_problems("heldout", {"held_out": 0.25 + 1e-7, "weights": [-0.9, 1.3]}, REFERENCE) == []
+
+
+@pytest.mark.parametrize("result, verdict", [
+    (None, r"^case heldout: rank 0 printed no result line"),
+    ({"held_out": 0.31, "weights": [-0.9, 1.3]}, r"^case heldout: it ended, but rank 0's held_out is 0.31, while "
+     r"the correct program \(the same case on one rank, where no collective can be out of step\) gives 0.25: the "
+     r"held-out loss \(the mean over every held-out sample, each counted once"),
+    ({"held_out": 0.25, "weights": [-0.8, 1.3]}, r"rank 0's weights is \[-0.8, 1.3\].*every rank must apply the "
+     r"same mean gradient"),
+], ids=["no result", "held-out loss", "weights"])
+def test_a_result_unlike_the_correct_programs_is_named(result, verdict):
+    [problem] = result_problems("heldout", result, REFERENCE)
+    assert re.search(verdict, problem), problem
+
+
+def test_the_diagnosis_is_read_from_the_script_and_start_py_leaves_it_to_fill():
+    assert read_diagnosis(START) == {case: {"rank": None, "collective": None, "line": None} for case in CASES}
+    assert set(read_diagnosis(REPO / SOLUTION)) == set(CASES)
+
+
+def test_a_script_without_a_diagnosis_is_told_to_keep_it(tmp_path):
+    script = tmp_path / "mine.py"
+    script.write_text("print('no diagnosis here')\n")
+    [problem] = hang_clinic.check(script, tmp_path, say=print)
+    assert problem.startswith("the script has no DIAGNOSIS = {...}"), problem
+
+
+def test_one_rank_alone_gets_back_from_each_collective_what_it_gave():
+    import torch
+
+    alone, tensor = one_rank_collectives(), torch.tensor([1.0, 2.0])
+    gathered = [torch.zeros(2)]
+    assert alone.all_reduce(tensor) is None and tensor.tolist() == [1.0, 2.0]
+    alone.all_gather(gathered, tensor)
+    assert gathered[0].tolist() == [1.0, 2.0]
+
+
+def test_the_reference_is_start_pys_own_cases_on_one_rank():
+    references = reference_results()
+    assert set(references) == set(CASES)
+    # The same training in the branch and held-out cases; the order case starts from rank 0's warmed-up weights.
+    assert references["branch"]["weights"] == references["heldout"]["weights"] != references["order"]["weights"]
+
+
+# --- the start file and seeded mistakes, run for real --------------------------------------------------------------
+
+def checked(script, tmp_path):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    return hang_clinic.check(script, workdir, say=print)
+
+
+@pytest.mark.slow
+def test_the_start_file_hangs_in_every_case_and_the_checker_asks_for_the_diagnosis(tmp_path):
+    problems = checked(START, tmp_path)
+    for case in CASES:
+        assert f"case {case}: DIAGNOSIS[{case!r}] is not filled in" in "\n".join(problems), problems
+        [ended] = [problem for problem in problems if problem.startswith(f"case {case}: it exited with code 1")]
+        assert re.search(r"error: rank \d: a (collective gave up after --timeout 5 s|peer is gone)", ended), ended
+    assert len(problems) == 2 * len(CASES), problems
+
+
+@pytest.mark.slow
+def test_the_mistakes_learners_make_each_get_their_own_verdict(tmp_path):
+    """One run, six mistakes: in each case a wrong part of the diagnosis, and a fix that silences the hang but
+    changes what the program computes."""
+    script = seeded(
+        tmp_path, SOLUTION,
+        # the diagnosis: the rank that waited (the others), not the one out of step
+        (r'"branch": \{"rank": 0,', '"branch": {"rank": 1,'),
+        # the diagnosis: the line of the collective the others called (the barrier), not rank 2's
+        (r'"heldout": \{"rank": 2, "collective": "barrier", "line": 185\}',
+         '"heldout": {"rank": 2, "collective": "barrier", "line": 158}'),
+        # the diagnosis: the collective the others called there
+        (r'"order": \{"rank": 0, "collective": "broadcast",', '"order": {"rank": 0, "collective": "barrier",'),
+        # the hang silenced by dropping the reduce on every rank: rank 0 logs its own loss only
+        (r"    dist.reduce\(total, dst=0\)\n", ""),
+        # the held-out samples that do not divide the ranks left out: every rank evaluates 2
+        (r"mine = list\(range\(rank, HELD_OUT_SAMPLES, world_size\)\)",
+         "mine = list(range(rank, HELD_OUT_SAMPLES - HELD_OUT_SAMPLES % world_size, world_size))"),
+        # the hang silenced by dropping the broadcast on every rank: only rank 0 starts from the warmed-up weights
+        (r"    dist.barrier\(\)\n    broadcast_weights\(model\)\n", "    dist.barrier()\n"),
+    )
+    problems = checked(script, tmp_path)
+    verdicts = [
+        r"^case branch: the diagnosis names rank 1, but that rank called what the others called",
+        r"^case branch: it ended, but rank 0's history is .* the logged losses \(the mean of every rank's loss",
+        r"^case heldout: the diagnosis names line 158, but rank 2's barrier there was called from another line",
+        r"^case heldout: it ended, but rank 0's held_out is .* each counted once",
+        r"^case order: the diagnosis names barrier as rank 0's collective",
+        r"^case order: it ended, but rank 0's weights is .*every rank must apply the same mean gradient",
+    ]
+    assert len(problems) == len(verdicts), problems
+    for verdict, problem in zip(verdicts, problems):
+        assert re.search(verdict, problem), (verdict, problems)
