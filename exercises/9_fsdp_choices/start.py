@@ -17,6 +17,7 @@ and compares the losses and the final weights with what one process computes on 
 """
 import argparse
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -29,7 +30,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from utils import (SEED, attempt_store, configure_cpu_threads, exit_without_teardown, positive_int,
-                   require_torch_for_fsdp, require_torchrun, writable_path)
+                   require_torch_for_fsdp, writable_path)
 from utils.synthetic import teacher_data
 
 
@@ -122,5 +123,8 @@ if __name__ == "__main__":
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
     args = parser.parse_args()
 
-    require_torchrun()
+    # CPU processes only (gloo), any number of them: torchrun numbers them, whatever GPUs the machine has.
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit("error: start this script with torchrun, which starts and numbers the processes: "
+                         f"torchrun --standalone --nproc_per_node=2 {os.path.basename(sys.argv[0])}")
     main(args)
