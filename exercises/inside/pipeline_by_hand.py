@@ -141,8 +141,7 @@ def hang_problems(records, schedule, script):
         said.append(f"rank {rank} waited for {operation(call, script) if call else 'an operation'} in step "
                     f"{row['step']}, after {' '.join(ran) if ran else 'no pass'}")
     ops = {call["op"] for _, call in stuck.values() if call}
-    waited = {(row["pid"], row["seq"]) for row in records if row["event"] == "waiting"}
-    dropped = [call for key, call in calls.items() if call["op"] == "isend" and key not in waited]
+    dropped = lost_sends(records, stuck)
     if dropped:
         why = (f"rank {listed(sorted({call['rank'] for call in dropped}))} never waited for {len(dropped)} of its "
                f"isends, the first {operation(dropped[0], script)}: a Work dropped before its send completed can "
@@ -159,6 +158,24 @@ def hang_problems(records, schedule, script):
         why = "a rank waits for something the other never sends"
     return [f"with --schedule {schedule} the ranks hung, each waiting for the other: {'; '.join(said)}. A deadlock: "
             f"{why}. {capitalized(explained(schedule))}"]
+
+
+def lost_sends(records, stuck):
+    """The isends never waited for that a stuck receive should have got: the peer sent as many as the stuck rank
+    waits for, so they were sent and lost (a Work dropped before its send completed can take the send with it)."""
+    calls = calls_of(records)
+    waited = {(row["pid"], row["seq"]) for row in records if row["event"] == "waiting"}
+    for rank, (row, call) in sorted(stuck.items()):
+        if not call or call["op"] not in ("irecv", "recv"):
+            continue
+        wanted = [key for key, other in calls.items() if other["rank"] == rank and other["op"] in ("irecv", "recv")
+                  and other["peer"] == call["peer"] and other["seq"] <= call["seq"]]
+        sent = [(key, other) for key, other in calls.items() if other["rank"] == call["peer"]
+                and other["op"] in ("isend", "send") and other["peer"] == rank]
+        never = [other for key, other in sent if key not in waited]
+        if len(sent) >= len(wanted) and never:
+            return never
+    return []
 
 
 def wait_problems(records, script):
