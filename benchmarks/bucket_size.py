@@ -16,10 +16,13 @@ bucket size, the median over the measured steps of both ranks:
   after ms     from backward's end to the optimizer step: finish() sends the last bucket, waits, copies back
   waiting ms   the part of `after` spent inside wait(): communication backward did not hide
   calls ms     the time spent inside the all_reduce calls themselves (during backward or after it): gloo hands the
-               buffer to its own thread, which on a busy CPU competes with the one that called
-Then the model: synchronous all-reduces of --sizes bytes (both ranks leave a barrier first; per size the median over
---repeats of the faster rank's time), fitted by least squares to alpha + bytes / beta; and per bucket size what the
-model says its all-reduces cost one after the other, buckets x alpha + 466,472 / beta, the time backward could hide.
+               buffer to a thread of its own, which on a busy CPU competes with the one that called; the recorder's
+               note of each call (its caller's line) is in it too
+  model ms     what the model says the step's all-reduces cost one after the other: buckets x alpha + 466,472 / beta,
+               the time backward could hide
+The model's alpha and beta: synchronous all-reduces of --sizes bytes (both ranks leave a barrier first; per size the
+median over --repeats of the faster rank's time), fitted to alpha + bytes / beta (least squares of the relative
+error, the sizes being a thousand times apart).
 """
 import argparse
 import os
@@ -97,11 +100,15 @@ def measure(args, record_dir):
 
 
 def fit(points):
-    """Least squares of seconds = alpha + bytes / beta over [(bytes, seconds)]: (alpha s, beta bytes/s; None when
-    the time does not grow with the bytes)."""
-    mean_x = statistics.mean(x for x, _ in points)
-    mean_y = statistics.mean(y for _, y in points)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points))
+    """Least squares of seconds = alpha + bytes / beta over [(bytes, seconds)], each point's error relative to its
+    time (sizes a thousand times apart: plain least squares would fit the largest alone): (alpha s, beta bytes/s;
+    beta None when the time does not grow with the bytes)."""
+    weights = [1 / seconds**2 for _, seconds in points]
+    total = sum(weights)
+    mean_x = sum(w * x for w, (x, _) in zip(weights, points)) / total
+    mean_y = sum(w * y for w, (_, y) in zip(weights, points)) / total
+    slope = (sum(w * (x - mean_x) * (y - mean_y) for w, (x, y) in zip(weights, points))
+             / sum(w * (x - mean_x) ** 2 for w, (x, _) in zip(weights, points)))
     return mean_y - slope * mean_x, (1 / slope if slope > 0 else None)
 
 

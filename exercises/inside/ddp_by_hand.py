@@ -120,16 +120,21 @@ def reference(module=None):
                 weights={factor: reference_weights(module, factor) for factor in dict.fromkeys(factors)})
 
 
-def where(call, script):
-    """The learner's line that made a recorded call, as their editor shows it (or nothing)."""
+def line(call, script):
+    """The learner's line that made a recorded call, as their editor shows it (None: not a line of theirs)."""
     caller = call.get("caller")
     if script and caller and Path(caller[0]) == Path(script):
-        return f" ({line_of(script, caller[1], caller[2])})"
-    return ""
+        return line_of(script, caller[1], caller[2])
+    return None
+
+
+def where(call, script):
+    """The learner's line that made a recorded call, in parentheses after a space (or nothing)."""
+    return f" ({line(call, script)})" if line(call, script) else ""
 
 
 def steps_of(records):
-    """[(rank, step number, its backward, its gradient all-reduces, the step's own record)] of each process: the
+    """[(rank, step number, its backward, its gradient all-reduces, the step's own record)], rank by rank: the
     all-reduces a rank called from its step's backward's start to the optimizer step (the loss's, before the next
     backward, are not the gradients')."""
     steps = []
@@ -142,7 +147,8 @@ def steps_of(records):
             calls = [row for row in rows if row["event"] == "call" and row["op"] == "all_reduce"
                      and row["step"] == step["step"] and row["began"] >= backward[-1]["began"]]
             steps.append((step["rank"], step["step"], backward[-1], calls, step))
-    return steps
+    # Rank by rank (whichever process wrote first), so that a verdict names the lowest rank it applies to.
+    return sorted(steps, key=lambda found: (found[0] is None, found[0] or 0, found[1]))
 
 
 def communication_problems(records, expected, script=None):
@@ -164,11 +170,13 @@ def communication_problems(records, expected, script=None):
             continue
         sent = sum(sum(call["bytes"]) for call in calls)
         if sent > gradient_bytes:
+            places = "".join(f", from {place}" for place in dict.fromkeys(line(call, script) for call in calls)
+                             if place)
             problems.setdefault("twice", f"rank {rank} all-reduced {sent:,} bytes in step {step}, but the model's "
-                                f"gradients are {gradient_bytes:,} bytes: some were sent more than once (a bucket "
-                                "sent again, or one not emptied after it was sent), from "
-                                + "; ".join(dict.fromkeys(where(call, script).strip(" ()") or "torch"
-                                                          for call in calls)))
+                                f"gradients are {gradient_bytes:,} bytes: some were sent more than once{places}. "
+                                "Each gradient belongs to one bucket and each bucket is all-reduced once: empty "
+                                "self.bucket as _send_bucket takes it, and leave no other all-reduce of the gradients "
+                                "(stage 1's) beside the buckets'")
         elif sent < gradient_bytes:
             problems.setdefault("partial", f"rank {rank} all-reduced {sent:,} bytes in step {step}, but the model's "
                                 f"gradients are {gradient_bytes:,} bytes: {gradient_bytes - sent:,} bytes of gradients "
