@@ -14,7 +14,7 @@ Autograd goes through both all-to-alls (AllToAll): its backward sends the gradie
 few rounds of forward and backward on tokens made to load the experts unevenly and saves, for each rank and round,
 what went in and what came out (outputs, gradients) in --out.
 
-    torchrun --standalone --nproc_per_node=2 exercises/11_expert_dispatch/solution.py --out dispatch
+    PYTHONPATH=. torchrun --standalone --nproc_per_node=2 exercises/11_expert_dispatch/solution.py --out dispatch
     python exercises/check.py 11 exercises/11_expert_dispatch/solution.py
     diff exercises/11_expert_dispatch/start.py exercises/11_expert_dispatch/solution.py   # the exercise
 """

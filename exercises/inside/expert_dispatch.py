@@ -1,12 +1,15 @@
 """Exercise 11's checker: the experts' dispatch, judged by what the ranks computed and what they sent.
 
 The script runs a few rounds of forward and backward of a mixture-of-experts layer split over 2 ranks, on tokens
-made to load the experts unevenly, and saves each rank's tokens, outputs and gradients (round<i>_rank<r>.pt). The
-checker computes the whole layer in this process from the saved weights and tokens (every expert here, each token's
-top_k experts run on it directly), and compares: each rank's output, the gradient of its tokens, every expert's weight
-gradients (held by one rank) and the router's (the ranks' sum). From collectives.jsonl it reads each round's
-all-to-alls: the rows each rank sent to the other must be the assignments its tokens routed to that rank's experts,
-the rows it made room for must be what the other sent, and backward must send rows too (the gradients going back).
+made to load the experts unevenly, and saves for each rank and round what went in (tokens, weights:
+round<i>_rank<r>_in.pt) and, once the round is done, what came out (output, gradients: round<i>_rank<r>_out.pt). The
+checker computes the whole layer in this process from what went in (every expert here, each token's top_k experts run
+on it directly), and compares each rank's output, the gradient of its tokens, every expert's weight gradients (held by
+one rank) and the router's (the ranks' sum). From expert_dispatch.jsonl (the recorder plugin of that name: every
+all_to_all_single as it was asked for, before it ran) it reads each round's all-to-alls: the split sizes must add up
+to the rows of their tensors, the rows each rank sent to the other must be the assignments its tokens routed to that
+rank's experts, the rows it made room for must be what the other sent, and backward must send rows too (the
+gradients going back). A crash that none of this explains is said as the script's own error.
 """
 import re
 
@@ -51,11 +54,12 @@ def whole_layer(saved):
     top_k, loss, tokens, outputs, routes = saved[0]["top_k"], 0, [], [], []
     for own in saved:
         x = own["tokens"].clone().requires_grad_()
-        gates, chosen = F.softmax(x @ weights["router.weight"].t(), dim=-1).topk(top_k, dim=-1)
+        gates, chosen = F.softmax(F.linear(x, weights["router.weight"]), dim=-1).topk(top_k, dim=-1)
+        # Every expert on every token, (tokens, experts, hidden): each token then takes its chosen experts' rows.
         every = torch.stack([F.linear(F.gelu(F.linear(x, weights[f"experts.{e}.up.weight"],
                                                       weights[f"experts.{e}.up.bias"])),
                                       weights[f"experts.{e}.down.weight"], weights[f"experts.{e}.down.bias"])
-                             for e in experts], dim=1)  # (tokens, experts, hidden): every expert on every token
+                             for e in experts], dim=1)
         picked = every.gather(1, chosen[..., None].expand(-1, -1, every.shape[-1]))
         output = (picked * gates[..., None]).sum(1)
         loss = loss + (output * own["probe"]).sum()
@@ -94,9 +98,9 @@ def permutation(a, b):
 
 
 def value_problems(rounds, references, skip_grads=False):
-    """The outputs, then the gradients of each completed round against the whole layer's (`references`: whole_layer
-    of each round); the first round that differs, once per kind. skip_grads: the gradients' verdict is already said
-    (no all-to-all in backward)."""
+    """Each finished round's outputs, then its gradients, against the whole layer's (`references`: whole_layer of
+    each round): the first difference found, the outputs of every round before any gradient (a wrong output makes the
+    gradients wrong too). skip_grads: the gradients' verdict is already said (no rows in backward)."""
     for number, (saved, reference) in enumerate(zip(rounds, references)):
         top_k = saved[0]["top_k"]
         where = f"in round {number} (top_k {top_k})"
