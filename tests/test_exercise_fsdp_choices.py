@@ -7,7 +7,8 @@ import pytest
 
 from exercises.inside import fsdp_choices
 from exercises.inside.fsdp_choices import (global_batches, granularity_problems, model_facts, order_problems,
-                                           peak_problems, plain_problems, reference, result_problems, step_losses)
+                                           peak_problems, plain_problems, records_problems, reference,
+                                           result_problems, step_losses)
 from mistakes import seeded
 from tools.jobs import REPO
 
@@ -125,6 +126,16 @@ def test_a_block_sharded_after_the_root_that_took_its_parameters():
                               "of its parameters were sharded already"), problem
     # the root made last finds its blocks' parameters sharded, and takes the rest: right
     assert order_problems([{**calls[0], "sharded_already": 24}], script) == []
+
+
+def test_a_script_that_never_shards_is_told_to_and_a_torch_without_the_internals_says_so():
+    [problem] = records_problems(steps(units=[], plain=410), samples(), weights=None)
+    assert problem.startswith("it never called fully_shard"), problem
+    why = "torch 2.5's FSDPParamGroup has no unshard"
+    unsupported = [dict(pid=100, rank=0, restart=0, event="unsupported", why=why)]
+    [problem] = records_problems(unsupported, samples(), weights=None)
+    assert problem == ("this torch cannot be checked: torch 2.5's FSDPParamGroup has no unshard (the checker reads "
+                       "FSDP2's parameter groups)")
 
 
 def samples(losses=((1.0, 0.5), (3.0, 1.5))):

@@ -232,17 +232,25 @@ def check(script, workdir, say):
     order = order_problems(shards, script)
     if not job.ok:
         return order or exit_problems(job, script)
+    saved = workdir / SAVED
+    weights = torch.load(saved, map_location="cpu", weights_only=True) if saved.is_file() else None
+    return records_problems(rows, job.samples, weights, script)
+
+
+def records_problems(rows, samples, weights, script=None, module=None):
+    """What a job that ended well recorded (the plugin's rows, the passes over the data, the weights rank 0 saved),
+    judged: the units and their order, the peaks, the parameters left plain, and the training against one process."""
     unsupported = [row["why"] for row in rows if row.get("event") == "unsupported"]
     if unsupported:
         return [f"this torch cannot be checked: {unsupported[0]} (the checker reads FSDP2's parameter groups)"]
-    if not shards:
-        return ["it never called fully_shard: shard(model, mesh) must make the model's modules FSDP units"]
+    shards = [row for row in rows if row.get("event") == "shard"]
     steps = [row for row in rows if row.get("event") == "step"]
-    module = exercise()
+    if not shards and not any(row["units"] for row in steps):
+        return ["it never called fully_shard: shard(model, mesh) must make the model's modules FSDP units"]
+    module = module or exercise()
     train_set, _ = module.teacher_data(module.SEED)
     facts = model_facts(module.build_model(train_set.tensors[0].shape[1]))
-    problems = order + plain_problems(steps, facts) + peak_problems(steps, facts) + granularity_problems(steps, facts)
-    saved = workdir / SAVED
-    weights = torch.load(saved, map_location="cpu", weights_only=True) if saved.is_file() else None
-    expected_losses, expected_weights = reference(global_batches(job.samples), module)
-    return problems + result_problems(step_losses(job.samples), weights, expected_losses, expected_weights)
+    problems = (order_problems(shards, script) + plain_problems(steps, facts) + peak_problems(steps, facts)
+                + granularity_problems(steps, facts))
+    expected_losses, expected_weights = reference(global_batches(samples), module)
+    return problems + result_problems(step_losses(samples), weights, expected_losses, expected_weights)
