@@ -7,8 +7,8 @@ import torch
 
 from exercises.check import check
 from exercises.inside.pipeline_by_hand import (MICROBATCHES, expected_order, gradient_problems, hang_problems,
-                                               memory_problems, merged, order_problems, passes_of, wait_problems,
-                                               weight_problems)
+                                               memory_problems, merged, order_problems, passes_of, unseen_problems,
+                                               wait_problems, weight_problems)
 from mistakes import seeded
 from tools.jobs import REPO
 
@@ -86,6 +86,7 @@ def test_a_correct_runs_records_get_no_verdict(script):
         records = ran(orders, steps=3) + p2p(script, 0, "isend", 1) + p2p(script, 0, "irecv", 2)
         assert order_problems(records, schedule) == memory_problems(records, schedule) == []
         assert wait_problems(records, script) == hang_problems(records, schedule, script) == []
+        assert unseen_problems(records, schedule) == []
     assert passes_of(ran(ONE_F_ONE_B))[0][0] == ONE_F_ONE_B[0].split()
 
 
@@ -108,13 +109,18 @@ def test_activations_kept_past_their_backward_show_though_the_order_is_1f1bs():
     assert "held the activations of 4 micro-batches at once" in memory and "retain_graph=True" in memory
 
 
+def test_a_stage_whose_forwards_the_checker_never_saw_is_named():
+    [problem] = unseen_problems(ran({0: GPIPE[0]}), "gpipe")
+    assert problem.startswith("with --schedule gpipe, the checker saw no forward of rank 1's stage")
+
+
 def test_backwards_in_another_order_than_the_forwards_are_named_with_the_first_pass_that_differs():
     [order] = order_problems(ran({0: "F0 F1 F2 F3 B3 B2 B1 B0", 1: GPIPE[1]}), "gpipe")
     assert re.search(r"rank 0 ran the passes of step 0 as F0 F1 F2 F3 B3 B2 B1 B0, but GPipe's order .* They differ "
                      r"first at pass 5, where it ran B3 and GPipe runs B0: GPipe runs every forward, then every "
                      r"backward, in the order of the forwards", order), order
     [short] = order_problems(ran({0: "F0 F1 F2", 1: GPIPE[1]}), "gpipe")
-    assert "differ first at pass 4, where it stopped there and GPipe runs F3" in short
+    assert "differ first at pass 4, where it ran no more and GPipe runs F3" in short
 
 
 def gradients(scale=1.0, wrong_rank=None):

@@ -13,12 +13,13 @@ import time
 
 import torch
 
-from exercises.judging import exit_problems, lines_in, listed
+from exercises.judging import COLLECTIVE_TIMEOUT_S, exit_problems, lines_in, listed
 from tools.jobs import shown, start, torchrun
 
 STAGES = 2  # the script's pipeline: one stage per rank
 MICROBATCHES, BATCH_SIZE, STEPS = 4, 16, 30
-P2P_TIMEOUT_S = 15  # passed as --timeout: a rank stuck in a send or receive fails after this long
+# Passed as --timeout: a rank stuck in a send or receive fails after this long (a deadlock is stopped sooner, below)
+P2P_TIMEOUT_S = COLLECTIVE_TIMEOUT_S
 JOB_LIMIT_S = 180  # each run's bound, past the timeout above, for a machine under load
 SCHEDULES = ("gpipe", "1f1b")
 NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
@@ -63,6 +64,15 @@ def capitalized(sentence):
     return sentence[:1].upper() + sentence[1:]
 
 
+def unseen_problems(records, schedule):
+    """Every rank's stage must run forwards the recorder sees: calls of a module with parameters."""
+    missing = sorted(set(range(STAGES)) - set(passes_of(records)))
+    if not missing:
+        return []
+    return [f"with --schedule {schedule}, the checker saw no forward of rank {listed(missing)}'s stage: each rank "
+            "runs its layers as a module, self.module(received), whose calls the checker watches"]
+
+
 def order_problems(records, schedule, microbatches=MICROBATCHES):
     """Each rank's passes, step by step, against the schedule's order; the first difference, said."""
     for rank, steps in sorted(passes_of(records).items()):
@@ -74,7 +84,7 @@ def order_problems(records, schedule, microbatches=MICROBATCHES):
                             min(len(ran), len(expected)))
             what = (f"it ran {ran[position]} and {NAMES[schedule]} runs {expected[position]}"
                     if position < min(len(ran), len(expected)) else
-                    f"it stopped there and {NAMES[schedule]} runs {expected[position]}" if position < len(expected)
+                    f"it ran no more and {NAMES[schedule]} runs {expected[position]}" if position < len(expected)
                     else f"{NAMES[schedule]} has run all of its passes and it ran {ran[position]}")
             return [f"with --schedule {schedule}, rank {rank} ran the passes of step {step} as {' '.join(ran)}, but "
                     f"{NAMES[schedule]}'s order for rank {rank} of {STAGES} is {' '.join(expected)} (F: forward, "
@@ -301,6 +311,9 @@ def judged(job, schedule, script, expected):
         return hung
     if not job.ok:
         return [f"with --schedule {schedule}, {problem}" for problem in exit_problems(job, script)]
+    unseen = unseen_problems(records, schedule)
+    if unseen:
+        return unseen
     problems = wait_problems(records, script) + order_problems(records, schedule)
     problems += memory_problems(records, schedule)
     grads = {}
@@ -328,7 +341,7 @@ def pending(records):
     return {row["rank"] for row in records if row["event"] == "waiting" and (row["pid"], row["seq"]) not in ended}
 
 
-def until_deadlocked(jobs):
+def until_deadlocked(jobs, say):
     """Wait for the jobs ({schedule: job}) to end, each within JOB_LIMIT_S; a job whose ranks all wait and whose records
     have not grown for QUIET_S is deadlocked: stopped there, not left to its --timeout."""
     deadline, sizes = time.monotonic() + JOB_LIMIT_S, {}
@@ -340,6 +353,7 @@ def until_deadlocked(jobs):
                 sizes[schedule] = (size, time.monotonic())
             elif (job.running() and time.monotonic() - sizes[schedule][1] > QUIET_S
                   and len(pending(job.records(RECORD))) == STAGES):
+                say(f"stopped --schedule {schedule}: every rank has waited for the other for {QUIET_S} s")
                 job.stop()
         time.sleep(0.2)
     for job in jobs.values():
@@ -358,7 +372,7 @@ def check(script, workdir, say):
             say(f"running: {shown(cmd)}")
             jobs[schedule] = start(cmd, cwd=folder, logs=folder / "records", record=True,
                                    env={"JOB_RECORD_PLUGINS": PLUGIN})
-        until_deadlocked(jobs)
+        until_deadlocked(jobs, say)
     finally:
         for job in jobs.values():
             job.stop()
