@@ -1,5 +1,5 @@
-"""Exercise 12 - the hang clinic: three short training jobs, each hangs or quietly computes the wrong thing on CPU
-ranks. For each, find which rank, which collective and which line, write it in DIAGNOSIS, then fix the case.
+"""Exercise 12 - the hang clinic: three short training jobs that hang on CPU ranks. For each, find which rank,
+which collective and which line, write them in DIAGNOSIS, then fix the case so that it computes what it should.
 
 The three cases are real patterns: ranks that take different branches around a collective (--case branch), a held-out
 set that does not divide evenly over the ranks (--case heldout), and two collectives issued in a different order on
@@ -9,10 +9,10 @@ Turn the Flight Recorder on to see every rank's collectives, each with the line 
 with torch's analyzer (docs/flight-recorder.md):
     TORCH_FR_BUFFER_SIZE=2000 TORCH_FR_DUMP_TEMP_FILE=/tmp/clinic/fr_ torchrun ... (mkdir -p /tmp/clinic first)
     torchfrtrace /tmp/clinic -p fr_
-Work on a copy of start.py; DIAGNOSIS names lines of start.py as it is given. Check it with
+Work on a copy in the repository root (so `from utils import ...` works): cp exercises/12_hang_clinic/start.py
+my_clinic.py. DIAGNOSIS names lines of start.py as given (the copy's, until you change it). Check it with
     python exercises/check.py 12 my_clinic.py
-Rank 0 prints the case's result on one line (the logged losses, the held-out loss, the weights' sums): a correct
-program prints the same on any number of ranks.
+Rank 0 prints the case's result (logged losses, held-out loss, weights' sums): the same on any number of ranks.
 """
 import argparse
 import json
