@@ -249,5 +249,6 @@ def test_a_shard_one_off_and_gradients_kept_are_named(tmp_path):
 @pytest.mark.slow
 def test_a_flat_vector_not_padded_is_named_when_it_crashes(tmp_path):
     [problem] = checked(seeded(tmp_path, SOLUTION, NOT_PADDED), tmp_path, stages=(2,))
-    assert problem.startswith("the flat vector of 339 parameters does not cut into 2 equal shards"), problem
+    assert problem.startswith("with --stage 2, the flat vector of 339 parameters does not cut into 2 equal shards"), \
+        problem
     assert "split_with_sizes expects split_sizes to sum exactly to 338" in problem

@@ -304,7 +304,7 @@ def crash_problems(job, script, expected):
 
 def stage_problems(job, workdir, script, expected, stage):
     if not job.ok:
-        return crash_problems(job, script, expected)
+        return [f"with --stage {stage}, {problem}" for problem in crash_problems(job, script, expected)]
     collectives = job.records("collectives.jsonl")
     plugin_rows = job.records("zero_by_hand.jsonl")
     steps = [row for row in collectives if row["event"] in ("step", "stepped")]
@@ -345,12 +345,13 @@ def check(script, workdir, say):
         jobs[stage] = (folder, start(cmd, cwd=folder, logs=folder / "records", record_collectives=True,
                                      env={"JOB_RECORD_PLUGINS": "zero_by_hand"}))
     try:
+        # Computed while the jobs run: this process waits for them anyway.
+        say(f"computing the reference: AdamW in one process on the whole global batch, {STEPS} steps")
+        expected = reference()
         for folder, job in jobs.values():
             job.wait(timeout=120)
     finally:
         for folder, job in jobs.values():
             job.stop()
-    say(f"computing the reference: AdamW in one process on the whole global batch, {STEPS} steps")
-    expected = reference()
     by_stage = {stage: stage_problems(job, folder, script, expected, stage) for stage, (folder, job) in jobs.items()}
     return list(dict.fromkeys(merged(by_stage)))
