@@ -8,10 +8,11 @@ Two processes (one CPU thread each, gloo) train exercises/7_ddp_by_hand/solution
 bucket size in turn for --steps optimizer steps, round after round (the order reversed every other round, so that
 the load on the machine drifts against no one; round 0 warms up). The job runner's recorder notes every all-reduce
 (bytes, start), every wait(), each backward and each optimizer step (tools/jobs/recorder: collectives.jsonl). Per
-bucket size, the median over the measured steps of both ranks:
+bucket size, its fastest step (other work on the machine only ever slows a step down), the mean of its 2 ranks:
   all-reduces  per step (the buckets: the MLP's 8 gradients, 466,472 bytes, packed in the order backward hands them
                over, a bucket sent once it holds --bucket_mb MiB)
-  step ms      from one optimizer step's start to the next's (forward, backward, finish(), the step)
+  step ms      from one optimizer step's start to the next's (forward, backward, finish(), the step), on the slower
+               rank; `median step ms`, the median over the measured steps, shows how much the machine's load added
   backward ms  loss.backward(), during which the hooks start the full buckets' all-reduces
   after ms     from backward's end to the optimizer step: finish() sends the last bucket, waits, copies back
   waiting ms   the part of `after` spent inside wait(): communication backward did not hide
@@ -21,7 +22,7 @@ bucket size, the median over the measured steps of both ranks:
   model ms     what the model says the step's all-reduces cost one after the other: buckets x alpha + 466,472 / beta,
                the time backward could hide
 The model's alpha and beta: synchronous all-reduces of --sizes bytes (both ranks leave a barrier first; per size the
-median over --repeats of the faster rank's time), fitted to alpha + bytes / beta (least squares of the relative
+fastest of its --repeats on either rank), fitted to alpha + bytes / beta (least squares of the relative
 error, the sizes being a thousand times apart).
 """
 import argparse
@@ -113,52 +114,58 @@ def fit(points):
 
 
 def calibration(records, after):
-    """[(bytes, seconds)]: per size of the synchronous all-reduces made after optimizer step `after`, the median over
-    the repeats of the faster rank's time (the slower one also waited for the other to arrive)."""
+    """[(bytes, seconds)]: per size of the synchronous all-reduces made after optimizer step `after`, the fastest of
+    its calls on either rank (other work on the machine only ever slows a call down)."""
     times = {}
     for row in records:
         if row["event"] == "call" and row["op"] == "all_reduce" and row["step"] == after:
-            times.setdefault((sum(row["bytes"]), row["rank"]), []).append(row["ended"] - row["began"])
-    sizes = sorted({size for size, _ in times})
-    return [(size, statistics.median(min(pair) for pair in zip(*(times[size, rank] for rank in range(WORLD_SIZE)))))
-            for size in sizes]
+            times.setdefault(sum(row["bytes"]), []).append(row["ended"] - row["began"])
+    return [(size, min(seconds)) for size, seconds in sorted(times.items())]
 
 
 def summary(bucket_mb, numbers, records):
-    """One bucket size's medians over its measured steps (both ranks), in ms, and its all-reduces' bytes."""
+    """One bucket size's fastest step (from its start to the next step's, on the slower rank: other work on the
+    machine only ever slows a step down), its parts in ms (the mean of the ranks), its all-reduces and their bytes;
+    and the median step."""
     from exercises.inside.ddp_by_hand import steps_of
 
     wanted = set(numbers)
     waits = {(row["pid"], row["seq"]): row for row in records if row["event"] == "wait"}
-    steps = [step for step in steps_of(records) if step[1] in wanted]
-    began = {(row["pid"], row["step"]): row["began"] for row in records if row["event"] == "step"}
-    intervals = [began[pid, number + 1] - began[pid, number] for pid, number in began
-                 if number in wanted and number + 1 in wanted and (pid, number + 1) in began]
-    waiting = [sum(waits[call["pid"], call["seq"]]["ended"] - waits[call["pid"], call["seq"]]["began"]
-                   for call in calls if (call["pid"], call["seq"]) in waits) for _, _, _, calls, _ in steps]
-    return dict(bucket_mb=bucket_mb, all_reduces=statistics.median(len(calls) for _, _, _, calls, _ in steps),
+    began = {(row["rank"], row["step"]): row["began"] for row in records if row["event"] == "step"}
+    ranks = sorted({rank for rank, _ in began})
+    lengths = {number: max(began[rank, number + 1] - began[rank, number] for rank in ranks) for number in wanted
+               if number + 1 in wanted and all((rank, number + 1) in began for rank in ranks)}
+    fastest = min(lengths, key=lengths.get)
+    steps = [step for step in steps_of(records) if step[1] == fastest]
+
+    def mean_ms(part):
+        return statistics.mean(part(backward, calls, step) for _, _, backward, calls, step in steps) * 1e3
+
+    def waited(calls):
+        return sum(waits[call["pid"], call["seq"]]["ended"] - waits[call["pid"], call["seq"]]["began"]
+                   for call in calls if (call["pid"], call["seq"]) in waits)
+
+    return dict(bucket_mb=bucket_mb, all_reduces=len(steps[0][3]),
                 sizes=[sum(call["bytes"]) for call in sorted(steps[0][3], key=lambda call: call["began"])],
-                step=statistics.median(intervals) * 1e3,
-                backward=statistics.median(backward["ended"] - backward["began"] for _, _, backward, _, _ in steps)
-                * 1e3,
-                after=statistics.median(step["began"] - backward["ended"] for _, _, backward, _, step in steps) * 1e3,
-                waiting=statistics.median(waiting) * 1e3,
-                calls=statistics.median(sum(call["ended"] - call["began"] for call in calls)
-                                        for _, _, _, calls, _ in steps) * 1e3)
+                step=lengths[fastest] * 1e3, median_step=statistics.median(lengths.values()) * 1e3,
+                backward=mean_ms(lambda backward, calls, step: backward["ended"] - backward["began"]),
+                after=mean_ms(lambda backward, calls, step: step["began"] - backward["ended"]),
+                waiting=mean_ms(lambda backward, calls, step: waited(calls)),
+                calls=mean_ms(lambda backward, calls, step: sum(call["ended"] - call["began"] for call in calls)))
 
 
 def report(rows, points):
     """The table of the bucket sizes, the calibration and its fit, and each size's cost by the model."""
     alpha, beta = fit(points)
     print("| bucket_mb | all-reduces/step | bucket bytes (in order sent) | step ms | backward ms | after ms | "
-          "waiting ms | calls ms | model ms |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+          "waiting ms | calls ms | model ms | median step ms |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         total = sum(row["sizes"])
         model = (row["all_reduces"] * alpha + (total / beta if beta else 0)) * 1e3
         print(f"| {row['bucket_mb']:g} | {row['all_reduces']:g} | {', '.join(f'{size:,}' for size in row['sizes'])} | "
               f"{row['step']:.2f} | {row['backward']:.2f} | {row['after']:.2f} | {row['waiting']:.2f} | "
-              f"{row['calls']:.2f} | {model:.2f} |")
+              f"{row['calls']:.2f} | {model:.2f} | {row['median_step']:.2f} |")
     print("\nsynchronous all-reduce, by size (median of the faster rank):")
     print("| bytes | measured ms | fitted ms |")
     print("|---:|---:|---:|")

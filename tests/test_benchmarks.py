@@ -671,33 +671,35 @@ def test_fault_tolerance_at_scale_measures_a_real_kill_under_each_strategy(monke
     assert "the groups equal after the heal: True" in text, text
 
 
-def test_bucket_size_reports_where_a_steps_time_goes_and_the_fitted_cost_of_an_all_reduce(capsys):
-    """Made-up records of 2 ranks, 3 steps 10 ms apart: backward 4 ms, two buckets (300 and 100 bytes), 1.5 ms in
-    wait() among the 3 ms between backward and the step; synchronous all-reduces of 1,000 bytes (the faster rank's
-    median 2 ms) and 3,000 bytes (4 ms): alpha 1 ms, beta 1 MB/s, so the two buckets cost 2 x 1 + 0.4 ms."""
+def test_bucket_size_reports_the_fastest_step_of_each_size_and_the_fitted_cost_of_an_all_reduce(capsys):
+    """Made-up records of 2 ranks, steps beginning at 0, 10 and 25 ms (the fastest: step 0, the median 12.5 ms):
+    backward 4 ms, two buckets (300 and 100 bytes), 1.5 ms in wait() among the 3 ms between backward and the step;
+    synchronous all-reduces of 1,000 bytes (the fastest 2 ms) and 3,000 bytes (4 ms): alpha 1 ms, beta 1 MB/s, so
+    the two buckets cost 2 x 1 + 0.4 ms."""
     bucket_size = benchmark("bucket_size")
     records = []
     for rank in range(2):
         pid = 10 + rank
-        for step in range(3):
-            t = 1 + step * 0.010
+        for step, t in enumerate((1.0, 1.010, 1.025)):
+            backward = 0.004 if step == 0 else 0.008  # a slower step's parts are not the fastest's
             records += [
                 dict(pid=pid, rank=rank, event="call", op="all_reduce", seq=2 * step, bytes=[300], began=t + 0.001,
                      ended=t + 0.0012, step=step),
-                dict(pid=pid, rank=rank, event="backward", began=t, ended=t + 0.004, step=step),
+                dict(pid=pid, rank=rank, event="backward", began=t, ended=t + backward, step=step),
                 dict(pid=pid, rank=rank, event="call", op="all_reduce", seq=2 * step + 1, bytes=[100],
                      began=t + 0.0045, ended=t + 0.0046, step=step),
                 dict(pid=pid, rank=rank, event="wait", seq=2 * step, began=t + 0.005, ended=t + 0.006, step=step),
                 dict(pid=pid, rank=rank, event="wait", seq=2 * step + 1, began=t + 0.006, ended=t + 0.0065,
                      step=step),
                 dict(pid=pid, rank=rank, event="step", began=t + 0.007, step=step)]
-        for size, milliseconds in ((1000, [1.0, 2.0, 3.0] if rank == 0 else [0.5, 2.5, 3.5]), (3000, [4.0] * 3)):
+        for size, milliseconds in ((1000, [3.0, 2.0, 4.0] if rank == 0 else [2.5, 5.0, 6.0]), (3000, [4.0] * 3)):
             records += [dict(pid=pid, rank=rank, event="call", op="all_reduce", seq=100, bytes=[size], began=2.0,
                              ended=2.0 + duration / 1e3, step=3) for duration in milliseconds]
     points = bucket_size.calibration(records, after=3)
     assert points == [(1000, pytest.approx(0.002)), (3000, pytest.approx(0.004))]
     bucket_size.report([bucket_size.summary(0.1, [0, 1, 2], records)], points)
     text = capsys.readouterr().out
-    assert table_rows(text.split("\n\n")[0]) == ["| 0.1 | 2 | 300, 100 | 10.00 | 4.00 | 3.00 | 1.50 | 0.30 | 2.40 |"]
+    assert table_rows(text.split("\n\n")[0]) == [
+        "| 0.1 | 2 | 300, 100 | 10.00 | 4.00 | 3.00 | 1.50 | 0.30 | 2.40 | 12.50 |"]
     assert table_rows(text.split("\n\n")[1]) == ["| 1,000 | 2.000 | 2.000 |", "| 3,000 | 4.000 | 4.000 |"]
     assert "fit: alpha = 1,000 us per all-reduce, beta = 1 MB/s" in text
