@@ -36,6 +36,7 @@ def a2a(script, rank, number, dtype="float32", send=None, receive=None, rows_in=
     """expert_dispatch.jsonl's row of one all_to_all_single, asked for at line 3 of `script`, called from line 7."""
     row_bytes = 8 if dtype == "int64" else ROW_BYTES
     return dict(pid=100 + rank, rank=rank, restart=0, round=number, in_backward=in_backward, dtype=dtype,
+                dims=1 if dtype == "int64" else 2,
                 rows_in=sum(send) if rows_in is None else rows_in, rows_out=sum(receive) if rows_out is None
                 else rows_out, row_bytes=row_bytes, input_split_sizes=send, output_split_sizes=receive,
                 stack=[["/elsewhere/launcher.py", 40, "main"], [str(script), 7, "dispatch"],

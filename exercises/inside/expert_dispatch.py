@@ -153,7 +153,8 @@ def calls_of(dispatches, rank, number, in_backward=False):
 
 
 def carries_rows(call):
-    return call["dtype"].startswith(("float", "bfloat"))
+    """Rows of features (tokens, results, their gradients), not numbers such as the counts."""
+    return call["dtype"].startswith(("float", "bfloat")) and call["dims"] >= 2
 
 
 def rows_to(call, peer):

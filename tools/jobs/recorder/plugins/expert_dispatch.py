@@ -6,13 +6,16 @@ torch.distributed.all_to_all_single, written before the call runs, so that a cal
 too: pid, rank, restart, and
   - `round`: the Tensor.backward calls this process had finished before the call (the script's rounds of forward and
     backward are numbered so), and `in_backward`: called during one (autograd sending gradients back);
-  - `dtype` of the input, `rows_in` (the input's first dimension: the rows this rank sends), `rows_out` (the output's:
-    the rows it makes room for), `row_bytes` (the bytes of one row of the input);
-  - `input_split_sizes` and `output_split_sizes` as given (None: the rows split evenly over the ranks);
+  - `dtype` and `dims` of the input (1: numbers, such as counts; 2: rows of features), `rows_in` (the input's first
+    dimension: the rows this rank sends), `rows_out` (the output's: the rows it makes room for), `row_bytes` (the
+    bytes of one row of the input);
+  - `input_split_sizes` and `output_split_sizes` as given (None, or an empty list: the rows split evenly over the
+    ranks, recorded as None);
   - `stack`: the calling frames outside the Python and torch installation ([file, line, function], outermost first).
 """
 import inspect
 import json
+import math
 import os
 
 import sitecustomize  # the recorder: _append, _rank, _restart, _stack
@@ -24,17 +27,27 @@ _signature = inspect.signature(dist.distributed_c10d.all_to_all_single)
 _backwards = dict(finished=0, running=0)
 
 
+def _sizes(splits):
+    """Split sizes as a list of numbers (a script may give a tensor, or a list of 0-d tensors); None, or none given
+    (torch's even split), as None."""
+    return None if splits is None or len(splits) == 0 else [int(size) for size in splits]
+
+
 def _noting_all_to_all_single(*args, **kwargs):
-    call = _signature.bind(*args, **kwargs).arguments
-    rows_in, rows_out = call["input"], call["output"]
-    sitecustomize._append("expert_dispatch.jsonl", json.dumps(dict(
-        pid=os.getpid(), rank=sitecustomize._rank(), restart=sitecustomize._restart(), round=_backwards["finished"],
-        in_backward=_backwards["running"] > 0, dtype=str(rows_in.dtype).replace("torch.", ""),
-        rows_in=rows_in.shape[0] if rows_in.dim() else 1, rows_out=rows_out.shape[0] if rows_out.dim() else 1,
-        row_bytes=rows_in[0].nbytes if rows_in.dim() and len(rows_in) else 0,
-        input_split_sizes=None if call.get("input_split_sizes") is None else list(call["input_split_sizes"]),
-        output_split_sizes=None if call.get("output_split_sizes") is None else list(call["output_split_sizes"]),
-        stack=sitecustomize._stack())))
+    try:
+        call = _signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        call = None  # arguments all_to_all_single refuses: its own error says so
+    if call is not None:
+        rows_in, rows_out = call["input"], call["output"]
+        sitecustomize._append("expert_dispatch.jsonl", json.dumps(dict(
+            pid=os.getpid(), rank=sitecustomize._rank(), restart=sitecustomize._restart(),
+            round=_backwards["finished"], in_backward=_backwards["running"] > 0,
+            dtype=str(rows_in.dtype).replace("torch.", ""), dims=rows_in.dim(),
+            rows_in=rows_in.shape[0] if rows_in.dim() else 1, rows_out=rows_out.shape[0] if rows_out.dim() else 1,
+            row_bytes=math.prod(rows_in.shape[1:]) * rows_in.element_size(),
+            input_split_sizes=_sizes(call.get("input_split_sizes")),
+            output_split_sizes=_sizes(call.get("output_split_sizes")), stack=sitecustomize._stack())))
     return _all_to_all_single(*args, **kwargs)
 
 
