@@ -33,8 +33,8 @@ from utils import configure_cpu_threads, exit_without_teardown, positive_int, re
 
 EXPERTS, HIDDEN, TOKENS = 4, 8, 12  # experts in the layer, features of a token, tokens per rank and round
 # Each round: the top_k of its routing, and the expert each rank's tokens lean towards (None: no lean), so the loads
-# are uneven in known ways: round 1 sends most of rank 0's tokens to rank 1, round 2 leaves rank 1's experts nearly
-# idle, round 3 gives every token two experts.
+# are uneven in known ways: in round 1 rank 0 sends all its tokens to rank 1's experts and rank 1 none to rank 0's
+# (whose experts get no token at all); in round 2 every token's first choice is one of rank 0's experts.
 ROUNDS = [dict(top_k=1, lean=(None, None)), dict(top_k=1, lean=(2, 3)), dict(top_k=2, lean=(0, 1)),
           dict(top_k=2, lean=(None, None))]
 
