@@ -219,8 +219,9 @@ def state_problems(steps, expected, stage):
     return [f"with --stage {stage}, {who(over)} held {state:,} bytes of optimizer state {stepping(over)} "
             f"({what}; the whole AdamW's are 2 moments x {expected['numel']} parameters x 4 bytes = {whole:,}). "
             f"ZeRO keeps 1/{WORLD_SIZE} on each rank: at most {share:,} bytes (2 x {shard_of(expected['numel'])} "
-            "x 4, a shard of the padded flat vector). Build the AdamW over this rank's shard only (a flat tensor of "
-            "its own), not over model.parameters()"]
+            f"x 4, a shard of the padded flat vector). Make this rank's shard 1/{WORLD_SIZE} of the flat vector, "
+            f"shard_size = ceil({expected['numel']} / world_size) elements from rank x shard_size, and build the "
+            "AdamW over that shard only, not over the whole model's parameters"]
 
 
 def gradient_problems(plugin_rows, expected, stage=2):
