@@ -19,7 +19,7 @@ import time
 import types
 from pathlib import Path
 
-from exercises.judging import exit_problems
+from exercises.judging import exit_problems, listed
 from tools.jobs import REPO, shown, start, torchrun
 
 START = REPO / "exercises/12_hang_clinic/start.py"
@@ -29,6 +29,7 @@ CASE_TIMEOUT_S = 5  # --timeout: a stuck collective gives up after this, and the
 JOB_LIMIT_S = 120  # a run that has not ended by then (a busy machine's slow start included) is stopped
 FLIGHT_RECORDER_ENTRIES = 2000  # more than any case calls
 RESULT = re.compile(r"case (\w+) \| result (\{.*\})")
+GAVE_UP = re.compile(r"^error: rank (\d+): a (?:collective gave up after --timeout|peer is gone)", re.MULTILINE)
 TOLERANCE = 1e-4  # the ranks' mean gradient and one rank's whole-set gradient differ by float rounding only
 # The truth found for a start.py, by its text: every check in one process (the tests') runs start.py's cases once.
 _TRUTHS = {}
@@ -121,6 +122,16 @@ def close(got, expected):
     return isinstance(got, (int, float)) and math.isclose(got, expected, rel_tol=TOLERANCE, abs_tol=TOLERANCE)
 
 
+def hang_problems(case, output):
+    """A fixed case that still hangs: the ranks that gave up waiting in a collective (the steps' one line each)."""
+    ranks = sorted({int(match[1]) for match in GAVE_UP.finditer(output)})
+    if not ranks:
+        return []
+    return [f"case {case}: it still hangs: rank{'s' if len(ranks) > 1 else ''} {listed(ranks)} gave up waiting in a "
+            f"collective after --timeout {CASE_TIMEOUT_S} s: every rank must call the same collectives in the same "
+            "order (run the case with the Flight Recorder on to see where they part)"]
+
+
 def result_problems(case, result, reference):
     """Rank 0's result of the learner's fixed case against the correct program's."""
     if result is None:
@@ -196,7 +207,9 @@ def check(script, workdir, say):
         fixed = workdir / f"fixed_{case}"
         fixed.mkdir(parents=True, exist_ok=True)
         say(f"running: {shown(case_command(script, case))}")
-        fixed_jobs[case] = start(case_command(script, case), cwd=fixed)
+        # The learner's runs record nothing: a Flight Recorder turned on in their shell would only slow a hang's end.
+        fixed_jobs[case] = start(case_command(script, case), cwd=fixed,
+                                 env={"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None})
     references = reference_results()
     deadline = time.monotonic() + JOB_LIMIT_S
     problems, truths = [], {}
@@ -211,9 +224,9 @@ def check(script, workdir, say):
         else:
             problems += diagnosis_problems(case, diagnosis, truth)
         job = fixed_jobs[case]
-        ended = exit_problems(job, script)
+        ended = hang_problems(case, job.output) or exit_problems(job, script)
         if ended:
-            problems += [f"case {case}: {problem}" for problem in ended]
+            problems += [problem if problem.startswith("case ") else f"case {case}: {problem}" for problem in ended]
         else:
             problems += result_problems(case, result_of(job.output, case), references[case])
     if None not in truths.values():
