@@ -11,8 +11,8 @@ the load on the machine drifts against no one; round 0 warms up). The job runner
 bucket size, its fastest step (other work on the machine only ever slows a step down), the mean of its 2 ranks:
   all-reduces  per step (the buckets: the MLP's 8 gradients, 466,472 bytes, packed in the order backward hands them
                over, a bucket sent once it holds --bucket_mb MiB)
-  step ms      from one optimizer step's start to the next's (forward, backward, finish(), the step), on the slower
-               rank; `median step ms`, the median over the measured steps, shows how much the machine's load added
+  step ms      from the optimizer step before to this one's start (the step, forward, backward, finish()), on the
+               slower rank; `median step ms`, the median over the measured steps, shows how much the machine's load added
   backward ms  loss.backward(), during which the hooks start the full buckets' all-reduces
   after ms     from backward's end to the optimizer step: finish() sends the last bucket, waits, copies back
   waiting ms   the part of `after` spent inside wait(): communication backward did not hide
@@ -133,8 +133,10 @@ def summary(bucket_mb, numbers, records):
     waits = {(row["pid"], row["seq"]): row for row in records if row["event"] == "wait"}
     began = {(row["rank"], row["step"]): row["began"] for row in records if row["event"] == "step"}
     ranks = sorted({rank for rank, _ in began})
-    lengths = {number: max(began[rank, number + 1] - began[rank, number] for rank in ranks) for number in wanted
-               if number + 1 in wanted and all((rank, number + 1) in began for rank in ranks)}
+    # A step's length: from the step before it began to its own optimizer step's start, which holds its forward,
+    # its backward and what finish() does after it.
+    lengths = {number: max(began[rank, number] - began[rank, number - 1] for rank in ranks) for number in wanted
+               if number - 1 in wanted and all((rank, number - 1) in began for rank in ranks)}
     fastest = min(lengths, key=lengths.get)
     steps = [step for step in steps_of(records) if step[1] == fastest]
 
@@ -166,7 +168,7 @@ def report(rows, points):
         print(f"| {row['bucket_mb']:g} | {row['all_reduces']:g} | {', '.join(f'{size:,}' for size in row['sizes'])} | "
               f"{row['step']:.2f} | {row['backward']:.2f} | {row['after']:.2f} | {row['waiting']:.2f} | "
               f"{row['calls']:.2f} | {model:.2f} | {row['median_step']:.2f} |")
-    print("\nsynchronous all-reduce, by size (median of the faster rank):")
+    print("\nsynchronous all-reduce, by size (the fastest call):")
     print("| bytes | measured ms | fitted ms |")
     print("|---:|---:|---:|")
     for size, seconds in points:

@@ -672,7 +672,7 @@ def test_fault_tolerance_at_scale_measures_a_real_kill_under_each_strategy(monke
 
 
 def test_bucket_size_reports_the_fastest_step_of_each_size_and_the_fitted_cost_of_an_all_reduce(capsys):
-    """Made-up records of 2 ranks, steps beginning at 0, 10 and 25 ms (the fastest: step 0, the median 12.5 ms):
+    """Made-up records of 2 ranks, steps beginning at 0, 10 and 25 ms (the fastest: step 1, the median 12.5 ms):
     backward 4 ms, two buckets (300 and 100 bytes), 1.5 ms in wait() among the 3 ms between backward and the step;
     synchronous all-reduces of 1,000 bytes (the fastest 2 ms) and 3,000 bytes (4 ms): alpha 1 ms, beta 1 MB/s, so
     the two buckets cost 2 x 1 + 0.4 ms."""
@@ -681,7 +681,7 @@ def test_bucket_size_reports_the_fastest_step_of_each_size_and_the_fitted_cost_o
     for rank in range(2):
         pid = 10 + rank
         for step, t in enumerate((1.0, 1.010, 1.025)):
-            backward = 0.004 if step == 0 else 0.008  # a slower step's parts are not the fastest's
+            backward = 0.004 if step == 1 else 0.008  # a slower step's parts are not the fastest's
             records += [
                 dict(pid=pid, rank=rank, event="call", op="all_reduce", seq=2 * step, bytes=[300], began=t + 0.001,
                      ended=t + 0.0012, step=step),
