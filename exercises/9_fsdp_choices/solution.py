@@ -6,8 +6,8 @@ inside it took. So the units decide how much of the model a rank holds whole at 
 whether a unit gives its whole parameters back at the end of its forward (and gathers them again in backward) or keeps
 them until its backward is done. Step 5 (fsdp.py) makes each block a unit, then the root.
 
-This script trains a residual MLP of 4 blocks with FSDP2 on 2 CPU ranks, 32 steps. Write shard(model, mesh): the
-starting file shards the root only. Run and check it with
+This script trains a residual MLP of 4 blocks with FSDP2 on 2 CPU ranks (torch 2.9 or newer), 32 steps. Write
+shard(model, mesh): the starting file shards the root only. Run and check your copy with
     torchrun --standalone --nproc_per_node=2 my_fsdp.py        # in the repository root: `from utils import ...`
     python exercises/check.py 9 my_fsdp.py
 The checker measures the most bytes of parameters each rank holds whole at once, in forward and in backward, against

@@ -6,9 +6,10 @@ inside it took. So the units decide how much of the model a rank holds whole at 
 whether a unit gives its whole parameters back at the end of its forward (and gathers them again in backward) or keeps
 them until its backward is done. Step 5 (fsdp.py) makes each block a unit, then the root.
 
-This script trains a residual MLP of 4 blocks with FSDP2 on 2 CPU ranks, 32 steps. It runs as it is, but its
-shard(model, mesh) makes the root the only unit: every rank gathers the whole model at once, the memory FSDP is there
-to save. Work on a copy and write shard() (the TODO); hints in exercises/9_fsdp_choices/hints.md. Run and check it with
+This script trains a residual MLP of 4 blocks with FSDP2 on 2 CPU ranks (torch 2.9 or newer), 32 steps. It runs as
+it is, but its shard(model, mesh) makes the root the only unit: every rank gathers the whole model at once, the memory
+FSDP is there to save. Work on a copy and write shard() (the TODO); hints in exercises/9_fsdp_choices/hints.md. Run
+and check it with
     torchrun --standalone --nproc_per_node=2 my_fsdp.py        # in the repository root: `from utils import ...`
     python exercises/check.py 9 my_fsdp.py
 The checker measures the most bytes of parameters each rank holds whole at once, in forward and in backward, against
