@@ -176,6 +176,11 @@ def test_a_flat_vector_that_does_not_cut_into_equal_shards_is_named_when_it_cras
     assert problem.startswith("the flat vector of 339 parameters does not cut into 2 equal shards (339 = 2 x 169 + "
                               "1), and the collectives need equal ones: pad it with zeros to 2 x 170 = 340"), problem
     assert "It exited with code 1, at line 9 (in step: `ALL_GATHER(gathered, self.shard.detach())`)" in problem
+    job.output = ('[rank0]: RuntimeError: [rank0]:[F1126 09:25:36.667463069 ProcessGroupGloo.cpp:1583] Check failed: '
+                  'outputShape[0] * worldSize == inputShape[0] (340 vs. 339).\n')
+    assert crash_problems(job, script, expected)[0].startswith("the flat vector of 339 parameters does not cut")
+    job.output = "RuntimeError: something else\n"
+    assert crash_problems(job, script, expected)[0].startswith("it exited with code 1")
 
 
 def test_a_verdict_both_stages_got_is_said_once():

@@ -18,6 +18,7 @@ zero_by_hand the gradients each rank holds as it steps and a digest of its model
 """
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -284,16 +285,16 @@ def communication_problems(collectives, expected, script, stage):
             "reduce-scatter the flat gradient instead (reduce_scatter_tensor, or reduce_scatter_single)"]
 
 
-# The errors a flat vector that does not cut into equal shards raises, in the collectives or in copying back
-UNEQUAL_SHARDS = ("input tensor must be the same size as output size times world size",
-                  "split_with_sizes expects split_sizes to sum exactly to",
-                  "must be the same size", "Expected input size")
+# What a flat vector that does not cut into equal shards raises: gloo's size check in a reduce-scatter or an
+# all-gather (`Check failed: outputShape[0] * worldSize == inputShape[0] (340 vs. 339)`), or the copy back into the
+# parameters of a gathered vector too short.
+UNEQUAL_SHARDS = r"Check failed: .*worldSize|split_with_sizes expects split_sizes to sum exactly to"
 
 
 def crash_problems(job, script, expected):
     """A crash in the learner's terms; the one a flat vector that does not cut into equal shards gives, named."""
     problems = exit_problems(job, script)
-    if problems and not job.timed_out and any(text in job.output for text in UNEQUAL_SHARDS):
+    if problems and not job.timed_out and re.search(UNEQUAL_SHARDS, job.output):
         numel, shard = expected["numel"], shard_of(expected["numel"])
         problems = [f"the flat vector of {numel} parameters does not cut into {WORLD_SIZE} equal shards "
                     f"({numel} = {WORLD_SIZE} x {numel // WORLD_SIZE} + {numel % WORLD_SIZE}), and the collectives "
