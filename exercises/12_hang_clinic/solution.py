@@ -54,7 +54,7 @@ def samples(count, seed):
 
 
 def make_model():
-    # Two layers of the same shape: their gradients are messages of the same size.
+    # The same seed on every rank: every rank builds the same initial weights.
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, FEATURES, bias=False), torch.nn.Tanh(),
                                torch.nn.Linear(FEATURES, FEATURES, bias=False))
