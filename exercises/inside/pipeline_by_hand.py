@@ -193,7 +193,8 @@ def wait_problems(records, script):
     one is not there before its wait, and an error shows only in the wait."""
     waited = {(row["pid"], row["seq"]) for row in records if row["event"] == "waiting"}
     for op in ("isend", "irecv"):
-        never = [call for key, call in calls_of(records).items() if call["op"] == op and key not in waited]
+        never = [call for key, call in calls_of(records).items()
+                 if call["op"] == op and call.get("asynchronous", True) and key not in waited]
         if never:
             ranks = sorted({call["rank"] for call in never})
             return [f"rank {listed(ranks)} never waited for {len(never)} of its {op}s, the first "

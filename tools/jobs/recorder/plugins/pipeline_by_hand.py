@@ -10,8 +10,9 @@ with pid, rank, restart, `event` and `step` (the optimizer steps this process ha
   micro-batches whose saved activations it used (autograd hands a backward the tensors of the forward that made its
   graph: which micro-batch a backward ran is measured, not counted); `live`: the bytes still held once it ended
   (autograd frees a micro-batch's activations as its backward uses them, unless retain_graph keeps them).
-- "call": each isend, irecv, send and recv: `op`, `seq` (its number in the process), `peer`, `bytes`, `stack` (the
-  calling frames outside the installation, outermost first).
+- "call": each isend, irecv, send and recv: `op`, `seq` (its number in the process), `peer`, `bytes`,
+  `asynchronous` (it returned a Work to wait for), `stack` (the calling frames outside the installation, outermost
+  first).
 - "waiting" as a wait on a point-to-point operation begins (an isend's or irecv's Work.wait(), a blocking send or
   recv), and "waited" as it returns (`error`: what it raised, or None): a wait that began and never ended is where a
   rank hung.
@@ -165,11 +166,14 @@ def _noting_p2p(name, operation):
         with _lock:
             _now["calls"] += 1
             sequence = _now["calls"]
-        peer = kwargs.get("dst", kwargs.get("src", args[0] if args else None))
-        _note("call", op=name, seq=sequence, peer=peer, bytes=tensor.numel() * tensor.element_size(), stack=_stack())
+        peer = next((kwargs[key] for key in ("dst", "src", "group_dst", "group_src") if kwargs.get(key) is not None),
+                    args[0] if args else None)
+        fields = dict(op=name, seq=sequence, peer=peer, bytes=tensor.numel() * tensor.element_size(), stack=_stack())
         if name in ("send", "recv"):
+            _note("call", asynchronous=False, **fields)
             return _waiting(sequence, lambda: operation(tensor, *args, **kwargs))
         work = operation(tensor, *args, **kwargs)
+        _note("call", asynchronous=work is not None, **fields)
         return _NotedWork(work, sequence) if work is not None else None
     noting.__wrapped__ = operation
     return noting
