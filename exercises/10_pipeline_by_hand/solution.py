@@ -43,8 +43,9 @@ def whole_model():
 
 
 def cut(model, stage):
-    """Stage `stage`'s half of the layers. A slice of a Sequential keeps the whole model's names (4.weight stays
-    4.weight), so each rank's weights can be laid beside one process's."""
+    """Stage `stage`'s layers: two of the four linear ones each, so what crosses between the ranks is the output of
+    the second linear layer. A slice of a Sequential keeps the whole model's names (4.weight stays 4.weight), so each
+    rank's weights can be laid beside one process's."""
     half = len(model) // 2
     return model[:half] if stage == 0 else model[half:]
 
