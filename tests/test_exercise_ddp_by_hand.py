@@ -76,14 +76,22 @@ def test_fewer_bytes_than_the_gradients_is_a_last_bucket_never_sent():
 
 def test_one_all_reduce_per_parameter_ignores_the_bucket_size():
     [problem] = communication_problems(two_ranks(buckets=(50, 50, 100, 100, 50), in_backward=(True,) * 5), EXPECTED)
-    assert problem.startswith("rank 0 made one all-reduce per parameter (5), whatever --bucket_mb says: --bucket_mb "
-                              "0.1 packs the 5 gradients, in the order they arrive, into 3 buckets (100, 200, 50 "
-                              "bytes)"), problem
+    assert problem.startswith("rank 0 made one all-reduce per parameter (5) in step 0, whatever --bucket_mb says: "
+                              "--bucket_mb 0.1 packs the 5 gradients, in the order they arrive, into 3 buckets (100, "
+                              "200, 50 bytes)"), problem
 
 
 def test_one_bucket_for_everything_ignores_the_bucket_size():
     [problem] = communication_problems(two_ranks(buckets=(350,), in_backward=(True,)), EXPECTED)
-    assert problem.startswith("rank 0 made one all-reduce for all the gradients, whatever --bucket_mb says"), problem
+    assert problem.startswith("rank 0 made one all-reduce for all the gradients in step 0, whatever "
+                              "--bucket_mb says"), problem
+
+
+def test_another_number_of_all_reduces_says_how_the_buckets_fill():
+    [problem] = communication_problems(two_ranks(buckets=(100, 50, 50, 150), in_backward=(True, True, True, False)),
+                                       EXPECTED)
+    assert problem == ("rank 0 made 4 all-reduces in step 0, but --bucket_mb 0.1 packs the 5 gradients, in the order "
+                       "they arrive, into 3 buckets (100, 200, 50 bytes), one all-reduce each"), problem
 
 
 def test_all_reduces_after_backward_overlap_nothing():
@@ -192,7 +200,7 @@ NEVER_EMPTIED = [(r"parameters, self\.bucket = self\.bucket, \[\]", "parameters 
                       r"\(in _send_bucket: `work = dist\.all_reduce\(flat, async_op=True\)`\)\): nothing "
                       r"overlapped the backward"]),
     # independent mistakes share a run: one verdict each
-    ([NO_WAIT, PER_PARAMETER], [r"rank \d made one all-reduce per parameter \(8\), whatever --bucket_mb says",
+    ([NO_WAIT, PER_PARAMETER], [r"rank \d made one all-reduce per parameter \(8\) in step 0, whatever --bucket_mb says",
                                 r"rank \d's asynchronous all-reduce of [\d,]+ bytes in step 0 \(line \d+ \(in "
                                 r"_send_bucket: `work = dist\.all_reduce\(flat, async_op=True\)`\)\) was never "
                                 r"waited on"]),

@@ -186,16 +186,17 @@ def communication_problems(records, expected, script=None):
             filled = (f"--bucket_mb {BUCKET_MB} packs the {expected['parameters']} gradients, in the order they "
                       f"arrive, into {len(buckets)} buckets ({', '.join(f'{size:,}' for size in buckets)} bytes), "
                       "one all-reduce each")
+            made = f"rank {rank} made {len(calls)} all-reduces in step {step}"
             if len(calls) == expected["parameters"]:
-                what = (f"one all-reduce per parameter ({len(calls)}), whatever --bucket_mb says: {filled}. Put each "
-                        "ready gradient in the bucket being filled and send the bucket once it holds bucket_mb MiB "
-                        "(stage 3)")
+                what = (f"rank {rank} made one all-reduce per parameter ({len(calls)}) in step {step}, whatever "
+                        f"--bucket_mb says: {filled}. Put each ready gradient in the bucket being filled and send the "
+                        "bucket once it holds bucket_mb MiB (stage 3)")
             elif len(calls) == 1:
-                what = (f"one all-reduce for all the gradients, whatever --bucket_mb says: {filled}; send a bucket "
-                        "as soon as it is full, while backward computes the rest")
+                what = (f"rank {rank} made one all-reduce for all the gradients in step {step}, whatever --bucket_mb "
+                        f"says: {filled}. Send a bucket as soon as it is full, while backward computes the rest")
             else:
-                what = f"{len(calls)} all-reduces, but {filled}"
-            problems.setdefault("count", f"rank {rank} made {what} (step {step})")
+                what = f"{made}, but {filled}"
+            problems.setdefault("count", what)
         first = min(calls, key=lambda call: call["began"])
         if not first["in_backward"] or first["began"] >= backward["ended"]:
             problems.setdefault("overlap", f"rank {rank}'s first all-reduce of step {step} began "
