@@ -216,7 +216,8 @@ def communication_problems(records, expected, script=None):
                 problems.setdefault("wait", f"rank {rank}'s asynchronous all-reduce of {sum(call['bytes']):,} bytes "
                                     f"in step {step}{where(call, script)} was {when}: until work.wait() returns, "
                                     "gloo may still be summing the buffer, and the step reads whatever is there. "
-                                    "Keep every Work and call wait() on each in finish(), before the step")
+                                    "Keep every Work and call wait() on each in finish(), before the step (the "
+                                    "check sees Work.wait(), not a future's)")
                 break
     return list(problems.values())
 
