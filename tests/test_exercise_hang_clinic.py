@@ -142,18 +142,9 @@ def checked(script, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_start_file_hangs_in_every_case_and_the_checker_asks_for_the_diagnosis(tmp_path):
-    problems = checked(START, tmp_path)
-    for case in CASES:
-        assert f"case {case}: DIAGNOSIS[{case!r}] is not filled in" in "\n".join(problems), problems
-        assert any(problem.startswith(f"case {case}: it still hangs: rank") for problem in problems), problems
-    assert len(problems) == 2 * len(CASES), problems
-
-
-@pytest.mark.slow
 def test_the_mistakes_learners_make_each_get_their_own_verdict(tmp_path):
-    """One run, six mistakes: in each case a wrong part of the diagnosis, and a fix that silences the hang but
-    changes what the program computes."""
+    """One run, six mistakes: in each case a wrong part of the diagnosis; a case left as start.py has it, which
+    still hangs; fixes that silence the hang but change what the program computes."""
     script = seeded(
         tmp_path, SOLUTION,
         # the diagnosis: the rank that waited (the others), not the one out of step
@@ -163,8 +154,12 @@ def test_the_mistakes_learners_make_each_get_their_own_verdict(tmp_path):
          '"heldout": {"rank": 2, "collective": "barrier", "line": 158}'),
         # the diagnosis: the collective the others called there
         (r'"order": \{"rank": 0, "collective": "broadcast",', '"order": {"rank": 0, "collective": "barrier",'),
-        # the hang silenced by dropping the reduce on every rank: rank 0 logs its own loss only
-        (r"    dist.reduce\(total, dst=0\)\n", ""),
+        # the branch left as start.py has it: only rank 0 calls the reduce, and the others wait in the next
+        # collective until --timeout
+        (r"    total = loss.detach\(\).clone\(\)\n    dist.reduce\(total, dst=0\)\n    return total.item\(\) / "
+         r"world_size if rank == 0 else None\n",
+         "    if rank == 0:\n        total = loss.detach().clone()\n        dist.reduce(total, dst=0)\n"
+         "        return total.item() / world_size\n    return None\n"),
         # the held-out samples that do not divide the ranks left out: every rank evaluates 2
         (r"mine = list\(range\(rank, HELD_OUT_SAMPLES, world_size\)\)",
          "mine = list(range(rank, HELD_OUT_SAMPLES - HELD_OUT_SAMPLES % world_size, world_size))"),
@@ -174,7 +169,7 @@ def test_the_mistakes_learners_make_each_get_their_own_verdict(tmp_path):
     problems = checked(script, tmp_path)
     verdicts = [
         r"^case branch: the diagnosis names rank 1, but that rank called what the others called",
-        r"^case branch: it ended, but rank 0's history is .* the logged losses \(the mean of every rank's loss",
+        r"^case branch: it still hangs: rank",
         r"^case heldout: the diagnosis names line 158, but rank 2's barrier there was called from another line",
         r"^case heldout: it ended, but rank 0's held_out is .* each counted once",
         r"^case order: the diagnosis names barrier as rank 0's collective",

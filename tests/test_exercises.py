@@ -19,20 +19,26 @@ from utils.gpt import help_pages
 
 STEPS = SOLUTIONS  # the step each exercise leads to, as the checker names it when all checks pass
 STARTS = {number: f"exercises/{folder}/start.py" for number, folder in EXERCISES.items()}
+HIDDEN_BUGS = {12}  # exercises whose starting file hides what to change
 DATASET_SIZE = len(make_workload().train_set)  # the workload exercises 1-3 train on
 
 
 @pytest.mark.parametrize("number", sorted(STEPS))
 def test_a_starting_file_is_its_solution_but_for_the_lines_its_todos_name(number):
     """A starting file is the step it leads to with the exercise's lines taken out: every other line is the step's,
-    so the diff the hints suggest (`diff start.py solution.py`) shows the exercise and nothing else."""
+    so the diff the hints suggest (`diff start.py solution.py`) shows the exercise and nothing else; each change is
+    marked by a TODO of the starting file (or, in the hang clinic, whose bugs are to be found, by the solution's
+    `Fixed (case ...)`)."""
     start, solution = (REPO / STARTS[number]).read_text().splitlines(), (REPO / STEPS[number]).read_text().splitlines()
     docstring_end = next(index for index, line in enumerate(start) if index and line.endswith('"""'))
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, start, solution, autojunk=False).get_opcodes():
         if tag == "equal" or i2 <= docstring_end + 1:
             continue
         changed = start[max(0, i1 - 1):i1 + 1] if tag == "insert" else start[i1:i2]  # an insertion: where it goes
-        assert any("TODO" in line for line in changed), (
+        # The hang clinic's starting file does not point at its bugs (finding them is the exercise): its solution
+        # says each fix instead.
+        changed += [line for line in solution[j1:j2] if number in HIDDEN_BUGS and "Fixed (case" in line]
+        assert any("TODO" in line or "Fixed (case" in line for line in changed), (
             f"{STARTS[number]}:{i1 + 1}: differs from {STEPS[number]} where no TODO says so:\n"
             + "\n".join([*(f"-{line}" for line in start[i1:i2]), *(f"+{line}" for line in solution[j1:j2])]))
 

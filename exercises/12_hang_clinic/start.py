@@ -87,7 +87,7 @@ def train(model, rank, world_size):
 
 def logged_loss(loss, rank, world_size):
     """The mean of the ranks' losses, for rank 0's log (None on the other ranks)."""
-    # Only rank 0 logs, so only rank 0 asks for the sum of the losses. TODO (case branch)
+    # Only rank 0 logs, so only rank 0 asks for the sum of the losses.
     if rank == 0:
         total = loss.detach().clone()
         dist.reduce(total, dst=0)
@@ -129,7 +129,7 @@ def warm_start(model, rank):
     """Every rank starts from rank 0's weights, once rank 0 has warmed them up."""
     if rank == 0:
         warm_up(model)
-        # Rank 0 sends its weights as soon as they are ready, then lets the others go on. TODO (case order)
+        # Rank 0 sends its weights as soon as they are ready, then lets the others go on.
         broadcast_weights(model)
         dist.barrier()
     else:
@@ -154,7 +154,7 @@ def held_out_loss(model, rank, world_size):
             batch = mine[first:first + EVAL_BATCH]
             errors = (model(inputs[batch]) - targets[batch]) ** 2
             batch_totals = torch.tensor([errors.sum().item(), errors.numel()])
-            # Summed over the ranks batch by batch: every rank holds the running totals. TODO (case heldout)
+            # Summed over the ranks batch by batch: every rank holds the running totals.
             dist.all_reduce(batch_totals)
             totals += batch_totals
     return (totals[0] / totals[1]).item()
