@@ -12,7 +12,8 @@ bucket size, its fastest step (other work on the machine only ever slows a step 
   all-reduces  per step (the buckets: the MLP's 8 gradients, 466,472 bytes, packed in the order backward hands them
                over, a bucket sent once it holds --bucket_mb MiB)
   step ms      from the optimizer step before to this one's start (the step, forward, backward, finish()), on the
-               slower rank; `median step ms`, the median over the measured steps, shows how much the machine's load added
+               slower rank; `median step ms`, the median over the measured steps, shows how much the machine's load
+               added
   backward ms  loss.backward(), during which the hooks start the full buckets' all-reduces
   after ms     from backward's end to the optimizer step: finish() sends the last bucket, waits, copies back
   waiting ms   the part of `after` spent inside wait(): communication backward did not hide

@@ -6,12 +6,12 @@
     python exercises/check.py 4 my_accum.py      # 4. gradient accumulation with no_sync (the GPT of step 6)
     python exercises/check.py 5 my_2d.py         # 5. 2D parallelism: the data split over dp, not every rank
     python exercises/check.py 6 my_cp.py         # 6. context parallelism: which chunks of a sequence a rank holds
-    python exercises/check.py 7 my_ddp_by_hand.py      # 7. DDP by hand: hooks, buckets, overlap with backward
-    python exercises/check.py 8 my_zero.py             # 8. ZeRO by hand: the optimizer's state, then the gradients, sharded
-    python exercises/check.py 9 my_fsdp.py             # 9. FSDP's choices: the units, and resharding after forward
-    python exercises/check.py 10 my_pipeline.py        # 10. a pipeline schedule by hand: GPipe, then 1F1B
-    python exercises/check.py 11 my_dispatch.py        # 11. the experts' dispatch: two all-to-alls
-    python exercises/check.py 12 my_clinic.py          # 12. the hang clinic: which rank, which collective, which line
+    python exercises/check.py 7 my_ddp_by_hand.py  # 7. DDP by hand: hooks, buckets, overlap with backward
+    python exercises/check.py 8 my_zero.py         # 8. ZeRO by hand: the optimizer's state, then the gradients
+    python exercises/check.py 9 my_fsdp.py         # 9. FSDP's choices: the units, and resharding after forward
+    python exercises/check.py 10 my_pipeline.py    # 10. a pipeline schedule by hand: GPipe, then 1F1B
+    python exercises/check.py 11 my_dispatch.py    # 11. the experts' dispatch: two all-to-alls
+    python exercises/check.py 12 my_clinic.py      # 12. the hang clinic: which rank, which collective, which line
 
 It prints what is missing or wrong, in the exercise's terms and with the line to change, and exits 0 only when
 everything is right. It judges what the processes did, not how the script is written: the samples each rank trained

@@ -1,5 +1,6 @@
 """What every exercise's checker shares: the learner's lines as their editor shows them, and a job's end (a hang, a
 crash) said in the learner's terms, without what gloo and torchrun print around it."""
+import importlib.util
 import linecache
 import re
 from pathlib import Path
@@ -71,3 +72,12 @@ def exit_problems(job, script=None):
     shown_lines = "\n".join("      " + line for line in errors)
     return [f"it exited with code {failed[0]}" + (f", at {where}" if where else "") +
             f"; what it printed about that:\n{shown_lines}"]
+
+
+def script_module(path, name):
+    """A script loaded as a module named `name`, its main() not run (it runs under `if __name__ == "__main__":`): an
+    exercise's model, data and optimizer, as its solution (or the learner's copy, or start.py) defines them."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

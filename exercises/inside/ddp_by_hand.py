@@ -15,12 +15,11 @@ A gradient averaged by the wrong count trains other weights: the checker trains 
 gradient that count gives (summed and not divided, divided twice, by the number of parameters, of buckets) and
 names the one the learner's weights match.
 """
-import importlib.util
 from pathlib import Path
 
 import torch
 
-from exercises.judging import COLLECTIVE_TIMEOUT_S, WORLD_SIZE, exit_problems, line_of
+from exercises.judging import COLLECTIVE_TIMEOUT_S, WORLD_SIZE, exit_problems, line_of, script_module
 from tools.jobs import REPO, run, shown, torchrun
 
 SOLUTION = REPO / "exercises" / "7_ddp_by_hand" / "solution.py"
@@ -33,10 +32,7 @@ WEIGHT_TOLERANCE = 1e-4  # float rounding of two sums over 40 steps stays far be
 def exercise():
     """The exercise's own model, data and optimizer (the repository's solution.py as a module): what the learner's
     copy trains too."""
-    spec = importlib.util.spec_from_file_location("ddp_by_hand_solution", SOLUTION)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(SOLUTION, "ddp_by_hand_solution")
 
 
 def arrival_order(module):

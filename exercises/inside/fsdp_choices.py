@@ -16,12 +16,11 @@ forward and in backward. What a correct shard(model, mesh) gives:
 - and the same training as DDP: the mean of the ranks' losses at each step, and the final weights rank 0 saved, are
   what one process computes on the same samples (both ranks' batches together), within float rounding.
 """
-import importlib.util
 import re
 
 import torch
 
-from exercises.judging import COLLECTIVE_TIMEOUT_S, WORLD_SIZE, exit_problems, line_of, listed
+from exercises.judging import COLLECTIVE_TIMEOUT_S, WORLD_SIZE, exit_problems, line_of, listed, script_module
 from tools.jobs import REPO, run, shown, torchrun
 
 SOLUTION = REPO / "exercises" / "9_fsdp_choices" / "solution.py"
@@ -33,10 +32,7 @@ WEIGHT_TOLERANCE = 1e-4
 def exercise():
     """The exercise's own model, data and optimizer (the repository's solution.py as a module): what the learner's
     copy trains too."""
-    spec = importlib.util.spec_from_file_location("fsdp_choices_solution", SOLUTION)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(SOLUTION, "fsdp_choices_solution")
 
 
 def model_facts(model):

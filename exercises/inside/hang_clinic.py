@@ -10,7 +10,6 @@ correct program computes: start.py's own case on one rank, where no collective c
 of one rank gives back what it was given), computed here, in this process.
 """
 import ast
-import importlib.util
 import json
 import math
 import pickle
@@ -19,7 +18,7 @@ import time
 import types
 from pathlib import Path
 
-from exercises.judging import exit_problems, listed
+from exercises.judging import exit_problems, listed, script_module
 from tools.jobs import REPO, shown, start, torchrun
 
 START = REPO / "exercises/12_hang_clinic/start.py"
@@ -169,9 +168,7 @@ def one_rank_collectives():
 
 def reference_results(start=START):
     """Each case's result as the correct program computes it: start.py's case on one rank, in this process."""
-    spec = importlib.util.spec_from_file_location("hang_clinic_start", start)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = script_module(start, "hang_clinic_start")
     module.dist = one_rank_collectives()
     return {case: module.run_case(case, 0, 1) for case in CASES}
 

@@ -8,12 +8,11 @@
 - the waits: a rank that waited for the other forever (a deadlock) is named with its line, and every isend or irecv
   must be waited for.
 """
-import importlib.util
 import time
 
 import torch
 
-from exercises.judging import COLLECTIVE_TIMEOUT_S, exit_problems, lines_in, listed
+from exercises.judging import COLLECTIVE_TIMEOUT_S, exit_problems, lines_in, listed, script_module
 from tools.jobs import shown, start, torchrun
 
 STAGES = 2  # the script's pipeline: one stage per rank
@@ -207,10 +206,7 @@ def wait_problems(records, script):
 
 def load(script):
     """The learner's script as a module (its main() does not run): its model, batches and learning rate."""
-    spec = importlib.util.spec_from_file_location("learners_pipeline", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(script, "learners_pipeline")
 
 
 def reference(script_module, steps=STEPS, batch_size=BATCH_SIZE, microbatches=MICROBATCHES):

@@ -16,14 +16,13 @@ zero_by_hand the gradients each rank holds as it steps and a digest of its model
   (Psi (N-1)/N) and an all-gather of the parameters (as much), the same as plain data parallelism's all-reduce.
   All-reducing the gradients (2 Psi (N-1)/N) before the all-gather moves 3 Psi (N-1)/N: half as much again.
 """
-import importlib.util
 import math
 import re
 from pathlib import Path
 
 import torch
 
-from exercises.judging import COLLECTIVE_TIMEOUT_S, WORLD_SIZE, exit_problems, line_of, listed
+from exercises.judging import COLLECTIVE_TIMEOUT_S, WORLD_SIZE, exit_problems, line_of, listed, script_module
 from tools.jobs import REPO, shown, start, torchrun
 
 SOLUTION = REPO / "exercises/8_zero_by_hand/solution.py"
@@ -40,10 +39,7 @@ RING_FACTOR = {"all_reduce": 2, "reduce_scatter_tensor": 1, "reduce_scatter_sing
 
 
 def solution_module():
-    spec = importlib.util.spec_from_file_location("zero_by_hand_solution", SOLUTION)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(SOLUTION, "zero_by_hand_solution")
 
 
 def reference(steps=STEPS):
