@@ -17,8 +17,12 @@ It prints what is missing or wrong, in the exercise's terms and with the line to
 everything is right. It judges what the processes did, not how the script is written: the samples each rank trained
 on, every rank's parameters after each epoch (DDP keeps them equal), the losses each rank computed (the printed one
 is their mean), who saved which file, from which line and when, the state a restarted job resumes from (the one the
-killed job had), whether each process closed its process group. tools/jobs records all that, the same job runner
-the repository's tests use.
+killed job had), whether each process closed its process group. For exercises 7-12 (their checkers are in
+exercises/inside/): every collective each rank called, with its bytes, its line and when it was waited on, each
+backward and optimizer step with the gradients and optimizer state it held, and what the exercise builds (FSDP's
+units held whole, a pipeline rank's passes and activations, the rows an all-to-all moved, every rank's Flight
+Recorder), against what a correct program computes. tools/jobs records all that, the same job runner the
+repository's tests use.
 """
 import argparse
 import importlib
