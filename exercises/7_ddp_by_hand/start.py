@@ -88,7 +88,7 @@ class HandDDP:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=positive_int, default=2, help="Passes over the data (20 steps each)")
+    parser.add_argument("--epochs", type=positive_int, default=5, help="Passes over the data (20 steps each)")
     parser.add_argument("--batch_size", type=positive_int, default=16, help="Samples per rank and step")
     parser.add_argument("--bucket_mb", type=non_negative_number, default=0.1,
                         help="MiB of gradients per all-reduce (0: one bucket per parameter)")
