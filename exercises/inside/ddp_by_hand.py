@@ -27,6 +27,7 @@ BUCKET_MB = 0.1  # buckets of 0.1 MiB: the MLP's 8 gradients (466 KB) make 3 of 
 EPOCHS, BATCH_SIZE = 2, 16  # 40 optimizer steps of 16 samples per rank
 SAVED = "hand_ddp.pt"
 WEIGHT_TOLERANCE = 1e-4  # float rounding of two sums over 40 steps stays far below; a factor in the gradient does not
+DIVISOR_MARGIN = 0.1  # a wrong divisor is named when its reference is 10x nearer than the right one (0.002 vs 0.30)
 
 
 def exercise():
@@ -234,11 +235,15 @@ def weights_problems(weights, expected, structural=False):
     if largest_difference(weights, references[1.0]) <= WEIGHT_TOLERANCE:
         return []
     named = wrong_divisors(expected["parameters"], len(expected["buckets"]))
-    for factor, words in named.items():
-        if largest_difference(weights, references[factor]) <= WEIGHT_TOLERANCE:
-            return [f"rank 0's final weights are those of gradients {factor:g} times the average: the script divides "
-                    f"the summed gradients {words}. The average over the ranks is the sum divided by the world size "
-                    f"({WORLD_SIZE}): divide each bucket once, by dist.get_world_size()"]
+    distances = {factor: largest_difference(weights, references[factor]) for factor in named}
+    nearest = min(distances, key=distances.get)
+    # A wrong divisor's run is not reproducible to the last bit: twice the gradient under SGD's momentum amplifies
+    # float rounding (the reference's thread count alone moves its weights by 2e-3 in 40 steps). The nearest of
+    # the references names it when it is far nearer than the right one.
+    if distances[nearest] <= max(WEIGHT_TOLERANCE, DIVISOR_MARGIN * largest_difference(weights, references[1.0])):
+        return [f"rank 0's final weights are those of gradients {nearest:g} times the average: the script divides "
+                f"the summed gradients {named[nearest]}. The average over the ranks is the sum divided by the world "
+                f"size ({WORLD_SIZE}): divide each bucket once, by dist.get_world_size()"]
     if structural:
         return []
     return [f"rank 0's final weights differ from those torch's DistributedDataParallel trains on the same samples by "
