@@ -9,7 +9,7 @@ import torch
 from exercises.inside import ddp_by_hand
 from exercises.inside.ddp_by_hand import (bucket_sizes, communication_problems, global_batches, steps_of,
                                           weights_problems)
-from mistakes import seeded
+from mistakes import exercise_problems, seeded
 from tools.jobs import REPO
 
 SOLUTION = "exercises/7_ddp_by_hand/solution.py"
@@ -173,9 +173,7 @@ def test_the_reference_buckets_the_exercises_mlp_as_backward_hands_its_gradients
 # --- run for real: the start file and seeded mistakes of the solution --------------------------------------------
 
 def checked(path, tmp_path):
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    return ddp_by_hand.check(path, workdir, lambda line: None)
+    return exercise_problems(7, path, tmp_path)
 
 
 @pytest.mark.slow

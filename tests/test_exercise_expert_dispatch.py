@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exercises.inside import expert_dispatch
 from exercises.inside.expert_dispatch import (ROUND_FILE, crash_problems, load_rounds, traffic_problems,
                                               value_problems, whole_layer)
-from mistakes import seeded
+from mistakes import exercise_problems, seeded
 from tools.jobs import REPO
 
 SOLUTION = "exercises/11_expert_dispatch/solution.py"
@@ -252,9 +251,7 @@ def test_a_backward_that_returns_the_gradient_unsent_and_a_gloo_abort_are_named(
 # --- run for real: the start file and seeded mistakes of the solution --------------------------------------------
 
 def checked(path, tmp_path):
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    return expert_dispatch.check(path, workdir, lambda line: None)
+    return exercise_problems(11, path, tmp_path)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from exercises.inside import fsdp_choices
 from exercises.inside.fsdp_choices import (global_batches, granularity_problems, model_facts, order_problems,
                                            peak_problems, plain_problems, records_problems, reference,
                                            result_problems, step_losses)
-from mistakes import seeded
+from mistakes import exercise_problems, seeded
 from tools.jobs import REPO
 
 SOLUTION = "exercises/9_fsdp_choices/solution.py"
@@ -167,9 +167,7 @@ def test_the_reference_trains_and_the_learners_run_is_judged_against_it():
 # --- run for real: the start file and seeded mistakes of the solution --------------------------------------------
 
 def checked(path, tmp_path):
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    return fsdp_choices.check(path, workdir, lambda line: None)
+    return exercise_problems(9, path, tmp_path)
 
 
 @pytest.mark.slow

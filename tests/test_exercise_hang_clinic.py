@@ -8,7 +8,7 @@ import pytest
 from exercises.inside import hang_clinic
 from exercises.inside.hang_clinic import (CASES, START, diagnosis_problems, hang_problems, one_rank_collectives,
                                           parting, read_diagnosis, reference_results, result_problems)
-from mistakes import seeded
+from mistakes import exercise_problems, seeded
 from tools.jobs import REPO
 
 SOLUTION = "exercises/12_hang_clinic/solution.py"
@@ -136,9 +136,7 @@ def test_the_reference_is_start_pys_own_cases_on_one_rank():
 # --- the start file and seeded mistakes, run for real --------------------------------------------------------------
 
 def checked(script, tmp_path):
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    return hang_clinic.check(script, workdir, say=print)
+    return exercise_problems(12, script, tmp_path)
 
 
 @pytest.mark.slow

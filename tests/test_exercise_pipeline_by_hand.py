@@ -5,11 +5,10 @@ import re
 import pytest
 import torch
 
-from exercises.check import check
 from exercises.inside.pipeline_by_hand import (MICROBATCHES, expected_order, gradient_problems, hang_problems,
                                                memory_problems, merged, order_problems, passes_of, unseen_problems,
                                                wait_problems, weight_problems)
-from mistakes import seeded
+from mistakes import exercise_problems, seeded
 from tools.jobs import REPO
 
 SOLUTION, START = "exercises/10_pipeline_by_hand/solution.py", "exercises/10_pipeline_by_hand/start.py"
@@ -209,9 +208,7 @@ def test_a_verdict_both_schedules_got_is_said_once():
 # --- the scripts, run ------------------------------------------------------------------------------------------------
 
 def checked(path, tmp_path):
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    return "\n".join(check(10, path, workdir))
+    return "\n".join(exercise_problems(10, path, tmp_path))
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from exercises.check import EXERCISES, SOLUTIONS, check
-from mistakes import seeded
+from exercises.check import EXERCISES, SOLUTIONS
+from mistakes import exercise_problems, seeded
 from tools.jobs import PYTHON, REPO, run, script
 
 pytestmark = pytest.mark.slow  # every test here starts a job of processes
@@ -18,9 +18,7 @@ STARTS = {number: f"exercises/{folder}/start.py" for number, folder in EXERCISES
 
 
 def checked(number, path, tmp_path):
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    return "\n".join(check(number, path, workdir))
+    return "\n".join(exercise_problems(number, path, tmp_path))
 
 
 @pytest.mark.parametrize("number", sorted(STEPS))
