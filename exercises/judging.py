@@ -9,6 +9,11 @@ from tools.jobs.output import noise
 
 WORLD_SIZE = 2
 COLLECTIVE_TIMEOUT_S = 60  # passed as --timeout: a stuck collective fails instead of hanging forever (slow starts pass)
+# How long a check of the track inside the machinery (7-12) lets its jobs run before it stops them. A rank stuck in a
+# collective ends by itself after its --timeout; this bounds the rest (a loop that never ends), and leaves a busy
+# machine room: a job of 2 ranks needs about 15 s of CPU (torch's import, mostly), which two cores shared by 16
+# runnable processes give it in 2 minutes.
+JOB_LIMIT_S = 300
 LOSS_TOLERANCE = 1e-4  # the epoch line prints 4 decimals: a printed loss within this of a value is that value
 
 

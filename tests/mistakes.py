@@ -1,7 +1,12 @@
-"""Seeded mistakes for the workshop's checker tests: a copy of a correct script with a learner's mistake put in."""
+"""The programs the workshop's checker tests run: seeded mistakes (a copy of a correct script with a learner's mistake
+put in) and independent programs (a starting file finished by a learner: tests/independent/)."""
+import ast
 import re
+from pathlib import Path
 
 from tools.jobs import REPO
+
+INDEPENDENT = Path(__file__).resolve().parent / "independent"
 
 
 def exercise_problems(number, script, tmp_path):
@@ -23,4 +28,47 @@ def seeded(tmp_path, source, *edits):
         text = re.sub(old, new, text)
     path = tmp_path / f"mistaken_{source.replace('/', '_')}"
     path.write_text(text)
+    return path
+
+
+def _definitions(text):
+    """{name: (first line, last line)} of the top-level functions, classes and single-name assignments of `text`
+    (lines from 1; a definition's decorators and the comment lines right above it included), and the imports as
+    [(first line, last line)]."""
+    lines, named, imports = text.splitlines(), {}, []
+    for node in ast.parse(text).body:
+        first = min([node.lineno, *(decorator.lineno for decorator in getattr(node, "decorator_list", ()))])
+        while first > 1 and lines[first - 2].startswith("#"):
+            first -= 1
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imports.append((first, node.end_lineno))
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            named[node.name] = (first, node.end_lineno)
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            named[node.targets[0].id] = (first, node.end_lineno)
+    return named, imports
+
+
+def written(tmp_path, start, part):
+    """A learner's script: the starting file `start` (a path in the repository) with what the learner wrote in it, the
+    file tests/independent/`part`: each of its top-level definitions replaces the starting file's of that name (the
+    class or function with the TODOs), its other definitions go in before the first one replaced, its imports after
+    the starting file's. What the learner wrote is theirs alone; the rest of the script is the starting file's."""
+    text, mine = (REPO / start).read_text(), (INDEPENDENT / part).read_text()
+    lines, own = text.splitlines(), mine.splitlines()
+    named, imports = _definitions(text)
+    my_named, my_imports = _definitions(mine)
+    segment = {name: own[first - 1:last] for name, (first, last) in my_named.items()}
+    replaced = [name for name in my_named if name in named]
+    assert replaced, f"{part} defines nothing of {start}'s"
+    added = [line for name in my_named if name not in named for line in [*segment[name], "", ""]]
+    new_imports = [line for first, last in my_imports for line in own[first - 1:last] if line not in lines]
+    edits = [(named[name], segment[name]) for name in replaced]
+    first_replaced = min(named[name][0] for name in replaced)
+    edits.append(((first_replaced, first_replaced - 1), added))
+    edits.append(((imports[-1][1] + 1, imports[-1][1]), new_imports))
+    for (first, last), new in sorted(edits, key=lambda edit: (edit[0][0], edit[0][1]), reverse=True):
+        lines[first - 1:last] = new
+    path = tmp_path / f"learners_{Path(part).stem}.py"
+    path.write_text("\n".join(lines) + "\n")
     return path
