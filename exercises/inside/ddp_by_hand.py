@@ -1,16 +1,22 @@
 """Exercise 7's checker: DDP by hand. The learner's script runs under torchrun (2 CPU ranks, gloo) with
 --bucket_mb BUCKET_MB for EPOCHS epochs; the recorder notes every all-reduce each rank started (its bytes, whether
-it was asynchronous, whether a gradient hook called it during backward), when each was waited on, each backward and
-each optimizer step. What a correct script does, step by step and rank by rank:
+it was asynchronous, whether a gradient hook called it during backward), when backward accumulated each gradient, when
+each all-reduce was waited on (its Work's wait, or its future's) and whether its buffer was written before that, each
+optimizer step with the buffers of all-reduces still alive then. What a correct script does, step by step and rank by
+rank:
 
 - it all-reduces every gradient once: the bytes of the step's all-reduces are the model's gradients' bytes;
-- as many all-reduces as there are buckets: gradients packed in the order they arrive (the last layer's first), a
-  bucket sent once it holds --bucket_mb MiB, the partly filled last one after backward;
-- the first all-reduce starts during backward, from a hook, asynchronously, so communication overlaps the
-  gradients still being computed;
-- each asynchronous all-reduce is waited on before the optimizer step reads the gradients;
+- its buckets are those --bucket_mb makes of the gradients in the order backward hands them over (the last layer's
+  first): a bucket sent once it holds --bucket_mb MiB, the partly filled last one after backward; the bytes of each
+  all-reduce, in the order sent, are those buckets';
+- every bucket but the last is in flight while backward still computes gradients (measured: gradients accumulated
+  after its all-reduce began and before it was waited on), so communication overlaps the computation;
+- each asynchronous all-reduce is waited on before the optimizer step reads the gradients, and its buffer is not
+  written before that wait (the recorder runs it on a copy and compares);
+- no buffer of an earlier step's all-reduces is still held at a step;
 - and rank 0's final weights are what torch's DistributedDataParallel trains on the same samples: one process
-  stepping on the gradient of the mean loss over both ranks' batches together (computed here, in this process).
+  stepping on the gradient of the mean loss over both ranks' batches together (computed here, in this process, from
+  the repository's model, data and optimizer).
 A gradient averaged by the wrong count trains other weights: the checker trains the reference again with the
 gradient that count gives (summed and not divided, divided twice, by the number of parameters, of buckets) and
 names the one the learner's weights match.
@@ -19,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from exercises.judging import COLLECTIVE_TIMEOUT_S, WORLD_SIZE, exit_problems, line_of, script_module
+from exercises.judging import (COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, exit_problems, line_of, listed,
+                               script_module)
 from tools.jobs import REPO, run, shown, torchrun
 
 SOLUTION = REPO / "exercises" / "7_ddp_by_hand" / "solution.py"
@@ -108,12 +115,15 @@ def wrong_divisors(parameters, buckets):
 
 def reference(module=None):
     """What the verdicts compare with: {"buckets": expected bucket bytes, "gradient_bytes", "parameters",
+    "in_order": the buckets of the gradients in model.parameters() order, "first": the name of the first parameter,
     "weights": {factor: final weights}} (factor 1: the right ones)."""
     module = module or exercise()
     order = arrival_order(module)
     buckets = bucket_sizes([size for _, size in order], BUCKET_MB)
+    declared = [(name, p.nbytes) for name, p in module.make_model().named_parameters()]
     factors = [1.0, *wrong_divisors(len(order), len(buckets))]
     return dict(buckets=buckets, gradient_bytes=sum(size for _, size in order), parameters=len(order),
+                in_order=bucket_sizes([size for _, size in declared], BUCKET_MB), first=declared[0][0],
                 weights={factor: reference_weights(module, factor) for factor in dict.fromkeys(factors)})
 
 
@@ -148,16 +158,62 @@ def steps_of(records):
     return sorted(steps, key=lambda found: (found[0] is None, found[0] or 0, found[1]))
 
 
+def sizes(numbers):
+    return listed(f"{number:,}" for number in numbers)
+
+
+def first_waits(records):
+    """{(pid, seq): the first wait of that all-reduce} (a Work waited on again later is noted again)."""
+    waits = {}
+    for row in records:
+        if row["event"] == "wait":
+            waits.setdefault((row["pid"], row["seq"]), row)
+    return waits
+
+
+def overlapped(call, backward, wait):
+    """How many gradients backward accumulated while `call` was in flight: after it began, before it was waited on."""
+    until = wait["began"] if wait else float("inf")
+    return sum(1 for at, _ in backward.get("ready") or () if call["began"] < at < until)
+
+
+def bucket_problem(rank, step, calls, expected):
+    """The buckets a step sent (their bytes, in the order sent) against those of the gradients in arrival order."""
+    buckets = expected["buckets"]
+    sent = [sum(call["bytes"]) for call in calls]
+    if sent == buckets:
+        return None
+    filled = (f"--bucket_mb {BUCKET_MB} packs the {expected['parameters']} gradients, in the order they arrive, into "
+              f"{len(buckets)} buckets ({sizes(buckets)} bytes), one all-reduce each")
+    if len(calls) == expected["parameters"] and len(buckets) != len(calls):
+        return (f"rank {rank} made one all-reduce per parameter ({len(calls)}) in step {step}, whatever --bucket_mb "
+                f"says: {filled}. Put each ready gradient in the bucket being filled and send the bucket once it "
+                "holds bucket_mb MiB (stage 3)")
+    if len(calls) == 1 and len(buckets) > 1:
+        return (f"rank {rank} made one all-reduce for all the gradients in step {step}, whatever --bucket_mb says: "
+                f"{filled}. Send a bucket as soon as it is full, while backward computes the rest")
+    if sorted(sent) == sorted(expected["in_order"]):
+        last = max(expected["in_order"], key=lambda size: (expected["in_order"].index(size) == 0, size))
+        return (f"rank {rank}'s all-reduces of step {step} carried {sizes(sent)} bytes, in the order sent: buckets "
+                f"filled in model.parameters() order ({expected['first']} first), where backward hands the gradients "
+                "over from the last layer to the first. The bucket with the first layer's gradients "
+                f"({last:,} bytes) can leave only once backward has computed its last gradient, so it overlaps "
+                f"nothing. {filled[0].upper()}{filled[1:]}: fill the bucket as the hooks fire, in the order they "
+                "fire")
+    return (f"rank {rank}'s all-reduces of step {step} carried {sizes(sent)} bytes, in the order sent, but {filled}")
+
+
 def communication_problems(records, expected, script=None):
     """What the all-reduces of each step did wrong, at most one sentence per kind of mistake (its first step).
-    `expected`: reference()'s buckets, gradient_bytes and parameters."""
+    `expected`: reference()'s buckets, gradient_bytes and parameters (and in_order, first)."""
     steps = steps_of(records)
     if not steps:
         return ["no rank took an optimizer step after a backward: the script must train (loss.backward(), then "
                 "optimizer.step()) on every rank"]
     problems = {}
     buckets, gradient_bytes = expected["buckets"], expected["gradient_bytes"]
-    waits = {(row["pid"], row["seq"]): row for row in records if row["event"] == "wait"}
+    waits = first_waits(records)
+    gradient_calls = {(call["pid"], call["seq"]) for _, _, _, calls, _ in steps for call in calls}
     for rank, step, backward, calls, began in steps:
         if not calls:
             problems.setdefault("none", f"rank {rank} all-reduced no gradient in its step {step}: it stepped with the "
@@ -165,6 +221,7 @@ def communication_problems(records, expected, script=None):
                                 "gradient over the ranks before optimizer.step(): dist.all_reduce, then divide by the "
                                 "world size (HandDDP.finish, stage 1 of the hints)")
             continue
+        calls = sorted(calls, key=lambda call: call["began"])
         sent = sum(sum(call["bytes"]) for call in calls)
         if sent > gradient_bytes:
             places = "".join(f", from {place}" for place in dict.fromkeys(line(call, script) for call in calls)
@@ -179,33 +236,45 @@ def communication_problems(records, expected, script=None):
                                 f"gradients are {gradient_bytes:,} bytes: {gradient_bytes - sent:,} bytes of gradients "
                                 "were never averaged. After backward, finish() must send the bucket backward left "
                                 "partly filled (the first layer's gradients arrive last)")
-        elif len(calls) != len(buckets):
-            filled = (f"--bucket_mb {BUCKET_MB} packs the {expected['parameters']} gradients, in the order they "
-                      f"arrive, into {len(buckets)} buckets ({', '.join(f'{size:,}' for size in buckets)} bytes), "
-                      "one all-reduce each")
-            made = f"rank {rank} made {len(calls)} all-reduces in step {step}"
-            if len(calls) == expected["parameters"]:
-                what = (f"rank {rank} made one all-reduce per parameter ({len(calls)}) in step {step}, whatever "
-                        f"--bucket_mb says: {filled}. Put each ready gradient in the bucket being filled and send the "
-                        "bucket once it holds bucket_mb MiB (stage 3)")
-            elif len(calls) == 1:
-                what = (f"rank {rank} made one all-reduce for all the gradients in step {step}, whatever --bucket_mb "
-                        f"says: {filled}. Send a bucket as soon as it is full, while backward computes the rest")
-            else:
-                what = f"{made}, but {filled}"
-            problems.setdefault("count", what)
-        first = min(calls, key=lambda call: call["began"])
-        if not first["in_backward"] or first["began"] >= backward["ended"]:
-            problems.setdefault("overlap", f"rank {rank}'s first all-reduce of step {step} began "
-                                f"{(first['began'] - backward['ended']) * 1e3:.1f} ms after its backward ended"
-                                f"{where(first, script)}: nothing overlapped the backward. Start each bucket's "
-                                "all-reduce from a hook as soon as its gradients are ready "
-                                "(parameter.register_post_accumulate_grad_hook) with async_op=True (stage 2)")
+        else:
+            wrong = bucket_problem(rank, step, calls, expected)
+            if wrong:
+                problems.setdefault("buckets", wrong)
+        ready = backward.get("ready") or []
+        during = [call for call in calls if call["asynchronous"] and call["in_backward"]]
+        in_flight = [call for call in during if overlapped(call, backward, waits.get((call["pid"], call["seq"])))]
         blocking = [call for call in calls if call["in_backward"] and not call["asynchronous"]]
-        if blocking:
-            problems.setdefault("blocking", f"rank {rank}'s all-reduce in step {step}{where(blocking[0], script)} "
-                                "runs during backward but synchronously: backward stops until it is done, so nothing "
-                                "overlaps. Pass async_op=True and keep its Work, to wait on in finish()")
+        # An asynchronous all-reduce waited on inside backward, before backward accumulated another gradient, blocks
+        # it as a synchronous one does.
+        at_once = [call for call in during if call not in in_flight and ready
+                   and waits.get((call["pid"], call["seq"]), {}).get("began", float("inf")) < ready[-1][0]]
+        if blocking or at_once:
+            call = (blocking or at_once)[0]
+            how = ("runs during backward but synchronously" if blocking else
+                   "was waited on during backward, before backward had accumulated another gradient"
+                   + where(waits[(call["pid"], call["seq"])], script))
+            problems.setdefault("blocking", f"rank {rank}'s all-reduce in step {step}{where(call, script)} {how}: "
+                                "backward stops until it is done, so nothing overlaps. Pass async_op=True and keep "
+                                "its Work, to wait on in finish(), after backward")
+        elif "buckets" not in problems and len(in_flight) < len(buckets) - 1:
+            first = calls[0]
+            if not in_flight and ready and first["began"] >= ready[-1][0]:
+                when = (f"began {(first['began'] - ready[-1][0]) * 1e3:.1f} ms after backward had accumulated its "
+                        "last gradient")
+            elif not in_flight:
+                when = f"began {(first['began'] - backward['ended']) * 1e3:.1f} ms after its backward ended"
+            if not in_flight:
+                problems.setdefault("overlap", f"rank {rank}'s first all-reduce of step {step} {when}"
+                                    f"{where(first, script)}: no all-reduce was in flight while backward computed "
+                                    "gradients, so nothing overlapped the backward. Start each bucket's all-reduce "
+                                    "from a hook as soon as its gradients are ready "
+                                    "(parameter.register_post_accumulate_grad_hook) with async_op=True (stage 2)")
+            else:
+                problems.setdefault("overlap", f"only {len(in_flight)} of rank {rank}'s all-reduces of step {step} "
+                                    f"({sizes(sum(call['bytes']) for call in in_flight)} bytes) were in flight while "
+                                    f"backward computed gradients, where the buckets of --bucket_mb {BUCKET_MB} make "
+                                    f"{len(buckets) - 1} ({sizes(buckets[:-1])} bytes): send each bucket from the hook "
+                                    "that fills it, asynchronously, and wait for it in finish()")
         for call in (call for call in calls if call["asynchronous"]):
             wait = waits.get((call["pid"], call["seq"]))
             if wait is None or wait["ended"] > began["began"]:
@@ -213,9 +282,28 @@ def communication_problems(records, expected, script=None):
                 problems.setdefault("wait", f"rank {rank}'s asynchronous all-reduce of {sum(call['bytes']):,} bytes "
                                     f"in step {step}{where(call, script)} was {when}: until work.wait() returns, "
                                     "gloo may still be summing the buffer, and the step reads whatever is there. "
-                                    "Keep every Work and call wait() on each in finish(), before the step (the "
-                                    "check sees Work.wait(), not a future's)")
+                                    "Keep every Work (or its future) and wait on each in finish(), before the step")
                 break
+            if wait.get("written"):
+                problems.setdefault("written", f"rank {rank} wrote into the buffer of its all-reduce of "
+                                    f"{sum(call['bytes']):,} bytes in step {step}{where(call, script)} before waiting "
+                                    f"for it{where(wait, script)}: while an all-reduce is in flight, gloo reads the "
+                                    "buffer and writes the sum into it, at moments of its own, so what the program "
+                                    "writes there meanwhile is lost or summed, depending on the timing. Touch the "
+                                    "buffer only after wait() returns: divide it there")
+                break
+        held = [row for row in began.get("held") or () if row["step"] < step
+                and (row.get("pid", began["pid"]), row["seq"]) in gradient_calls]
+        if held:
+            again = [row for row in records if row["event"] == "wait" and row.get("again")
+                     and row["pid"] == began["pid"] and row["step"] == step]
+            problems.setdefault("held", f"rank {rank} still held, as its step {step} began, the buffers of "
+                                f"{len(held)} all-reduces of earlier steps ({sum(row['bytes'] for row in held):,} "
+                                f"bytes; the first of step {held[0]['step']}{where(held[0], script)})"
+                                + (f" and waited again on {len(again)} of them" if again else "") +
+                                ": the list of all-reduces in flight is never emptied, so it grows every step and "
+                                "every finish() goes over the earlier steps' buckets again. Empty it once each has "
+                                "been waited on and copied back")
     return list(problems.values())
 
 
@@ -223,16 +311,17 @@ def largest_difference(weights, other):
     return max((weights[name].float() - other[name].float()).abs().max().item() for name in other)
 
 
-def weights_problems(weights, expected, structural=False):
+def weights_problems(weights, expected, structural=False, raced=False):
     """Rank 0's final weights against the reference's (expected["weights"][1.0]) and against those of the wrong
-    divisors. `structural`: other verdicts already explain a difference; only a wrong divisor is then named."""
+    divisors. `structural`: other verdicts already explain a difference; only a wrong divisor is then named. `raced`:
+    a buffer was written while its all-reduce was in flight, and that verdict explains whatever the weights are."""
     if weights is None:
         return [f"rank 0 saved no weights to {SAVED}: the script must save model.state_dict() there after training"]
     references = expected["weights"]
     if set(weights) != set(references[1.0]):
         return [f"the weights saved to {SAVED} are not the exercise's MLP's (keys {sorted(weights)[:3]}...): save "
                 "the plain model's state_dict()"]
-    if largest_difference(weights, references[1.0]) <= WEIGHT_TOLERANCE:
+    if largest_difference(weights, references[1.0]) <= WEIGHT_TOLERANCE or raced:
         return []
     named = wrong_divisors(expected["parameters"], len(expected["buckets"]))
     distances = {factor: largest_difference(weights, references[factor]) for factor in named}
@@ -255,7 +344,8 @@ def check(script, workdir, say):
     cmd = [*torchrun(script, nproc=WORLD_SIZE), "--bucket_mb", BUCKET_MB, "--epochs", EPOCHS, "--batch_size",
            BATCH_SIZE, "--save", SAVED, "--timeout", COLLECTIVE_TIMEOUT_S]
     say(f"running: {shown(cmd)}   (every all-reduce, wait, backward and optimizer step recorded)")
-    job = run(cmd, cwd=workdir, logs=workdir / "records", record_collectives=True, timeout=120, check=False)
+    job = run(cmd, cwd=workdir, logs=workdir / "records", record_collectives=True, timeout=JOB_LIMIT_S,
+              check=False)
     if not job.ok:
         return exit_problems(job, script)
     say("computing the reference: one process on both ranks' batches, as DistributedDataParallel trains")
@@ -263,4 +353,5 @@ def check(script, workdir, say):
     problems = communication_problems(job.records("collectives.jsonl"), expected, script)
     saved = Path(workdir) / SAVED
     weights = torch.load(saved, map_location="cpu") if saved.exists() else None
-    return problems + weights_problems(weights, expected, structural=bool(problems))
+    raced = any("before waiting for it" in problem for problem in problems)
+    return problems + weights_problems(weights, expected, structural=bool(problems), raced=raced)

@@ -60,10 +60,17 @@ changed; without the variables nothing happens.
   taken): "call", per call of a torch.distributed collective or point-to-point op (`op`, `seq` its number in the
   process, `began` and `ended` of the call, `asynchronous`, `bytes` of each tensor it was given, `dtypes`, `peer`,
   `group_size`, `in_backward` (called during a Tensor.backward: from a gradient hook), split sizes of an
-  all_to_all_single, `caller` [file, line, function], the innermost frame outside the installation); "wait", when the
-  Work of an asynchronous call (`seq`) was waited on (`began`, `ended`); "backward", each Tensor.backward's `began`
-  and `ended`; "step" as an optimizer step begins (`params` and `grads`: the bytes of the parameters it updates and
-  of their gradients) and "stepped" as it ends (`state`: the bytes of its state tensors, AdamW's moments).
+  all_to_all_single, `caller` [file, line, function], the innermost frame outside the installation); "wait", each
+  time the Work of an asynchronous call (`seq`) was waited on, by its own wait() or by a wait on its future or on a
+  future chained to it (`began`, `ended`, `via` "work" or "future", `again`: it had been waited on before, `caller`,
+  and `written`: the program wrote into the tensor of an asynchronous all_reduce between the call and this first
+  wait; such an all_reduce runs on a copy of the tensor, copied back at that wait: see _NotedWork); "backward", each
+  Tensor.backward's `began` and `ended`, and `ready`, [time, bytes] of each gradient it accumulated into a parameter
+  (a hook of the recorder's on every parameter a module registered, run before the program's own); "step" as an
+  optimizer step begins (`params` and `grads`: the bytes of the parameters it updates and of their gradients, and
+  `held`: the tensors given to collectives still alive then, each storage once, the model's parameters and the
+  optimizer's state left out, as {"seq", "step", "op", "caller", "bytes"} of the first call each was given to) and
+  "stepped" as it ends (`state`: the bytes of its state tensors, AdamW's moments).
 - JOB_RECORD_PLUGINS=`NAME,...` (with JOB_RECORD_DIR): import recorder/plugins/NAME.py too: what one exercise of
   the workshop records beyond the above (each plugin's docstring says what).
 - JOB_SLOW_SAVE=`SECONDS` (with or without JOB_RECORD_DIR): every torch.save to a file takes that much longer: it
@@ -588,9 +595,12 @@ if STALL_INIT:
 if RECORD_COLLECTIVES:
     import threading
     import traceback
+    import weakref
 
     import torch
     import torch.distributed as dist
+    import torch.futures
+    from torch import nn
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     _sequence, _optimizer_steps, _in_backward = [0], [0], [0]
@@ -598,6 +608,9 @@ if RECORD_COLLECTIVES:
     _COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
                     "broadcast", "all_to_all_single", "all_to_all", "isend", "irecv", "send", "recv", "barrier",
                     "reduce", "gather", "scatter")
+    _ready = []  # [time, bytes] of each gradient the backward under way has accumulated, in order
+    _given = []  # (weak reference to a tensor given to a collective (its base, for a view), seq, step, op, caller)
+    _parameters = []  # weak references to every parameter a module registered: their memory is the model's
 
     def _tensors_in(value):
         if isinstance(value, torch.Tensor):
@@ -618,19 +631,104 @@ if RECORD_COLLECTIVES:
         _append("collectives.jsonl", json.dumps(dict(pid=os.getpid(), rank=_rank(), restart=_restart(), **fields)))
 
     class _NotedWork:
-        """The Work an asynchronous collective returns, its wait() noted (when it was called and when it returned)."""
+        """The Work an asynchronous collective returns, its waits noted (when each was called and when it returned).
 
-        def __init__(self, work, sequence):
+        An asynchronous all_reduce runs on a copy of the tensor it was given, which this Work copies back into the
+        tensor at the first wait (Work.wait(), or a wait on its future or on a future chained to it): what the
+        program wrote into the tensor between the call and that wait is seen exactly, by comparing the tensor with
+        what it held at the call (`written` in the wait's line), however fast gloo was; and a tensor never waited for
+        never receives the sum. Gloo itself writes the sum into the tensor at some moment in between, so a program
+        that writes there before its wait computes what its timing decides: the check makes it one thing."""
+
+        def __init__(self, work, sequence, tensor=None, copy=None, before=None):
             self._work, self._sequence = work, sequence
+            self._tensor, self._copy, self._before = tensor, copy, before
+            self._finished, self._written, self._future = False, False, None
+
+        def _finish(self):
+            if self._finished:
+                return
+            self._work.wait()
+            self._finished = True
+            if self._tensor is not None:
+                self._written = not torch.equal(self._tensor, self._before)
+                with torch.no_grad():
+                    self._tensor.copy_(self._copy)
+            if self._future is not None and not self._future.done():
+                self._future.set_result([self._tensor] if self._tensor is not None else self._work.result())
+            self._tensor = self._copy = self._before = None  # the program's tensor is held by the program alone
+
+        def _noted_wait(self, via):
+            began, again = time.time(), self._finished
+            if again and via == "future":
+                return  # a callback reading its future's value, or a wait on a chain: the Work's wait is noted
+            self._finish()
+            _note(event="wait", seq=self._sequence, began=began, ended=time.time(), step=_optimizer_steps[0],
+                  via=via, again=again, written=self._written and not again, caller=_caller())
 
         def wait(self, *args, **kwargs):
-            began = time.time()
-            result = self._work.wait(*args, **kwargs)
-            _note(event="wait", seq=self._sequence, began=began, ended=time.time(), step=_optimizer_steps[0])
-            return result
+            self._noted_wait("work")
+            return True
+
+        def get_future(self):
+            if self._future is None:
+                self._future = _NotedFuture([self])
+                if self._finished:
+                    self._future.set_result(self._work.result())
+            return self._future
 
         def __getattr__(self, name):
             return getattr(self._work, name)
+
+    class _NotedFuture(torch.futures.Future):
+        """The future of a noted Work, or one chained to it (then(), collect_all()): a wait on it is a wait on those
+        Works (see _NotedWork)."""
+
+        def __init__(self, works):
+            super().__init__()
+            self._works = works
+
+        def _waited(self):
+            for work in self._works:
+                work._noted_wait("future")
+
+        def wait(self):
+            self._waited()
+            return super().wait()
+
+        def value(self):
+            self._waited()
+            return super().value()
+
+        def then(self, callback):
+            return _chained(super().then(callback), self._works)
+
+    def _chained(future, works):
+        """`future` (a torch future) as a _NotedFuture of `works`, completed as it completes."""
+        noted = _NotedFuture(works)
+
+        def complete(done):
+            try:
+                noted.set_result(done.value())
+            except Exception as error:
+                noted.set_exception(error)
+
+        future.add_done_callback(complete)
+        return noted
+
+    _collect_all = torch.futures.collect_all
+
+    def _noting_collect_all(futures):
+        works = [work for future in futures if isinstance(future, _NotedFuture) for work in future._works]
+        return _chained(_collect_all(futures), works) if works else _collect_all(futures)
+
+    def _noting_wait_all(futures):
+        for future in futures:
+            if isinstance(future, _NotedFuture):
+                future._waited()
+        return [future.wait() for future in _collect_all(futures).wait()]
+
+    torch.futures.collect_all, torch.futures.wait_all = _noting_collect_all, _noting_wait_all
 
     def _noting_collective(name, collective):
         def noting(*args, **kwargs):
@@ -648,14 +746,28 @@ if RECORD_COLLECTIVES:
             if name == "all_to_all_single" and len(args) > 2:
                 splits.update(output_split_sizes=list(args[2] or []), input_split_sizes=list(args[3] or [])
                               if len(args) > 3 else [])
+            caller = _caller()
+            for tensor in tensors:
+                base = tensor if tensor._base is None else tensor._base
+                _given.append((weakref.ref(base), sequence, _optimizer_steps[0], name, caller))
+            tensor, copy = None, None
+            asynchronous = kwargs.get("async_op", len(args) > 3 and name == "all_reduce" and args[3])
+            if name == "all_reduce" and asynchronous and tensors and isinstance(tensors[0], torch.Tensor):
+                tensor = tensors[0]
+                copy = tensor.detach().clone()
+                args, kwargs = ((copy, *args[1:]), kwargs) if args else ((), dict(kwargs, tensor=copy))
             began = time.time()
             work = collective(*args, **kwargs)
             _note(event="call", seq=sequence, op=name, began=began, ended=time.time(),
                   asynchronous=work is not None, bytes=[t.numel() * t.element_size() for t in tensors],
                   dtypes=sorted({str(t.dtype).replace("torch.", "") for t in tensors}), peer=peer,
                   group_size=dist.get_world_size(group) if dist.is_initialized() else None,
-                  in_backward=_in_backward[0] > 0, step=_optimizer_steps[0], caller=_caller(), **splits)
-            return _NotedWork(work, sequence) if work is not None else None
+                  in_backward=_in_backward[0] > 0, step=_optimizer_steps[0], caller=caller, **splits)
+            if work is None:
+                return None
+            if tensor is not None:
+                return _NotedWork(work, sequence, tensor, copy, tensor.detach().clone())
+            return _NotedWork(work, sequence)
         noting.__wrapped__ = collective
         return noting
 
@@ -667,16 +779,35 @@ if RECORD_COLLECTIVES:
             for _module in (dist, dist.distributed_c10d):
                 setattr(_module, _name, _wrapper)
 
+    def _noting_ready(parameter):
+        _ready.append([time.time(), parameter.grad.numel() * parameter.grad.element_size()])
+
+    _register_parameter = nn.Module.register_parameter
+
+    def _noting_register_parameter(self, name, param):
+        """Every parameter a module registers: noted (weakly), and a hook of its own, registered before any of the
+        program's, that notes when backward has accumulated its gradient."""
+        _register_parameter(self, name, param)
+        if param is not None and param.requires_grad and not any(ref() is param for ref in _parameters[-64:]):
+            _parameters.append(weakref.ref(param))
+            param.register_post_accumulate_grad_hook(_noting_ready)
+
+    nn.Module.register_parameter = _noting_register_parameter
+
     _backward_for_collectives = torch.Tensor.backward
 
     def _noting_backward_times(self, *args, **kwargs):
         began = time.time()
+        outermost = not _in_backward[0]
+        if outermost:
+            _ready.clear()
         _in_backward[0] += 1
         try:
             return _backward_for_collectives(self, *args, **kwargs)
         finally:
             _in_backward[0] -= 1
-            _note(event="backward", began=began, ended=time.time(), step=_optimizer_steps[0])
+            _note(event="backward", began=began, ended=time.time(), step=_optimizer_steps[0],
+                  ready=list(_ready) if outermost else [])
 
     torch.Tensor.backward = _noting_backward_times
 
@@ -684,11 +815,37 @@ if RECORD_COLLECTIVES:
         return sum(value.numel() * value.element_size() for state in optimizer.state.values()
                    for value in state.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
 
+    def _storage(tensor):
+        return tensor.untyped_storage().data_ptr()
+
+    def _held(optimizer):
+        """The tensors given to collectives that are still alive as this step begins, each storage once (the model's
+        parameters and the optimizer's state left out: they are held anyway), as {"seq", "step", "op", "caller",
+        "bytes"} of the first call each was given to; those of this step's calls first."""
+        models = {_storage(p) for p in (ref() for ref in _parameters) if p is not None}
+        models |= {_storage(p) for group in optimizer.param_groups for p in group["params"]}
+        models |= {_storage(value) for state in optimizer.state.values() for value in state.values()
+                   if isinstance(value, torch.Tensor)}
+        alive = [(ref(), sequence, step, op, caller) for ref, sequence, step, op, caller in _given]
+        _given[:] = [entry for entry, (tensor, *_) in zip(_given, alive) if tensor is not None]
+        held, seen = [], set()
+        for tensor, sequence, step, op, caller in sorted((entry for entry in alive if entry[0] is not None),
+                                                         key=lambda entry: (entry[2] != _optimizer_steps[0],
+                                                                            entry[1])):
+            storage = _storage(tensor)
+            if storage in models or storage in seen:
+                continue
+            seen.add(storage)
+            held.append(dict(seq=sequence, step=step, op=op, caller=caller,
+                             bytes=tensor.untyped_storage().nbytes()))
+        return held
+
     def _noting_step_began(optimizer, args, kwargs):
         _note(event="step", step=_optimizer_steps[0], began=time.time(),
               params=sum(p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"]),
               grads=sum(p.grad.numel() * p.grad.element_size() for group in optimizer.param_groups
-                        for p in group["params"] if p.grad is not None))
+                        for p in group["params"] if p.grad is not None),
+              held=_held(optimizer))
 
     def _noting_step_ended(optimizer, args, kwargs):
         _note(event="stepped", step=_optimizer_steps[0], ended=time.time(), state=_state_bytes(optimizer))
