@@ -141,8 +141,13 @@ def test_a_loss_not_divided_by_m_shows_as_gradients_m_times_one_processs():
     grads, expected = gradients(scale=MICROBATCHES)
     [problem] = gradient_problems(grads, expected, ran(GPIPE), "gpipe")
     assert problem == ("with --schedule gpipe, the first step's gradients are 4.00 times one process's on every "
-                       "stage: each micro-batch's loss must be divided by M (4), so that the M micro-batches' "
-                       "gradients add up to the gradient of the batch's mean loss, not to M times it")
+                       "stage: the micro-batches' losses were not divided by M (4). Divide each micro-batch's loss "
+                       "(the mean over its samples) by M once, so that the M micro-batches' gradients add up to the "
+                       "gradient of the batch's mean loss, not to M times it")
+    grads, expected = gradients(scale=1 / MICROBATCHES)
+    [twice] = gradient_problems(grads, expected, ran(GPIPE), "gpipe")
+    assert twice.startswith("with --schedule gpipe, the first step's gradients are 0.25 times one process's on every "
+                            "stage (1/M, M = 4): each micro-batch's loss was divided by M twice"), twice
     grads, expected = gradients(scale=2.0)
     [other] = gradient_problems(grads, expected, ran(GPIPE), "gpipe")
     assert "gradients of the first step are 2.00 and 2.00 times one process's" in other

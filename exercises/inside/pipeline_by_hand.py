@@ -1,7 +1,8 @@
 """Exercise 10's checker: a pipeline schedule by hand. It runs the learner's script twice, `--schedule gpipe` and
 `--schedule 1f1b` (two ranks each, at once), recorded by tools/jobs/recorder/plugins/pipeline_by_hand.py, and judges:
 - the gradients: the first optimizer step's, and every stage's weights after the last step, against one process
-  training the script's whole model on the same batches, each micro-batch's loss divided by M;
+  training the exercise's whole model (the repository's, with its batches, loss and learning rate, whatever the
+  script's own functions became) on the same batches, each micro-batch's loss divided by M;
 - the order: each rank's forwards and backwards, micro-batch by micro-batch (which micro-batch a backward ran is
   measured: the activations autograd handed it), against the schedule's;
 - the memory: the activations a rank held at once (bytes autograd kept, measured), at most p micro-batches' with 1F1B;
@@ -12,14 +13,14 @@ import time
 
 import torch
 
-from exercises.judging import COLLECTIVE_TIMEOUT_S, exit_problems, lines_in, listed, script_module
-from tools.jobs import shown, start, torchrun
+from exercises.judging import COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, exit_problems, lines_in, listed, script_module
+from tools.jobs import REPO, shown, start, torchrun
 
+SOLUTION = REPO / "exercises/10_pipeline_by_hand/solution.py"
 STAGES = 2  # the script's pipeline: one stage per rank
 MICROBATCHES, BATCH_SIZE, STEPS = 4, 16, 30
 # Passed as --timeout: a rank stuck in a send or receive fails after this long (a deadlock is stopped sooner, below)
 P2P_TIMEOUT_S = COLLECTIVE_TIMEOUT_S
-JOB_LIMIT_S = 180  # each run's bound, past the timeout above, for a machine under load
 SCHEDULES = ("gpipe", "1f1b")
 NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
 TOLERANCE = 1e-5  # relative: the stages compute the same operations as one process, in the same order
@@ -204,22 +205,24 @@ def wait_problems(records, script):
     return []
 
 
-def load(script):
-    """The learner's script as a module (its main() does not run): its model, batches and learning rate."""
-    return script_module(script, "learners_pipeline")
+def exercise():
+    """The exercise's own model, batches, loss and learning rate (the repository's solution.py as a module): what the
+    learner's copy trains too, whatever the copy's own functions became."""
+    return script_module(SOLUTION, "pipeline_by_hand_solution")
 
 
-def reference(script_module, steps=STEPS, batch_size=BATCH_SIZE, microbatches=MICROBATCHES):
-    """One process training the script's whole model on the same batches, micro-batch by micro-batch, each loss
-    divided by M: {"grads": the first step's gradients in the parameters' order, "weights": the state after the
-    last step}."""
-    model = script_module.whole_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=script_module.LEARNING_RATE)
+def reference(module=None, steps=STEPS, batch_size=BATCH_SIZE, microbatches=MICROBATCHES):
+    """One process training the exercise's whole model on the same batches, micro-batch by micro-batch, each loss (the
+    mean squared error of its samples) divided by M: {"grads": the first step's gradients in the parameters' order,
+    "weights": the state after the last step}."""
+    module = module or exercise()
+    model = module.whole_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=module.LEARNING_RATE)
     first = None
     for step in range(steps):
-        inputs, targets = script_module.batch(step, batch_size)
+        inputs, targets = module.batch(step, batch_size)
         for source, target in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
-            (script_module.loss_fn(model(source), target) / microbatches).backward()
+            (torch.nn.functional.mse_loss(model(source), target) / microbatches).backward()
         if first is None:
             first = [p.grad.clone() for p in model.parameters()]
         optimizer.step()
@@ -256,9 +259,14 @@ def gradient_problems(grads, expected, records, schedule, microbatches=MICROBATC
         factors = sorted({round(scale, 2) for scale in scales.values()})
         if factors == [float(microbatches)] and len(wrong) == STAGES:
             return [f"with --schedule {schedule}, the first step's gradients are {microbatches:.2f} times one "
-                    f"process's on every stage: each micro-batch's loss must be divided by M ({microbatches}), so "
-                    "that the M micro-batches' gradients add up to the gradient of the batch's mean loss, not to "
-                    "M times it"]
+                    f"process's on every stage: the micro-batches' losses were not divided by M ({microbatches}). "
+                    "Divide each micro-batch's loss (the mean over its samples) by M once, so that the M "
+                    "micro-batches' gradients add up to the gradient of the batch's mean loss, not to M times it"]
+        if factors == [round(1 / microbatches, 2)] and len(wrong) == STAGES:
+            return [f"with --schedule {schedule}, the first step's gradients are {1 / microbatches:.2f} times one "
+                    f"process's on every stage (1/M, M = {microbatches}): each micro-batch's loss was divided by M "
+                    "twice (in loss_fn and again where the last stage computes it, say). Divide it once: the M "
+                    "micro-batches' gradients then add up to the gradient of the batch's mean loss"]
         return [f"with --schedule {schedule}, rank {listed(sorted(wrong))}'s gradients of the first step are "
                 f"{listed([f'{scale:.2f}' for scale in scales.values()])} times one process's: each micro-batch's "
                 f"loss is divided by M ({microbatches}), once, and every micro-batch runs one backward"]
@@ -373,13 +381,7 @@ def check(script, workdir, say):
     finally:
         for job in jobs.values():
             job.stop()
-    expected = None
-    if any(job.ok for job in jobs.values()):
-        try:
-            expected = reference(load(script))
-        except (AttributeError, TypeError) as error:
-            return [f"the checker trains the script's whole_model() on its batch(step, size) and loss_fn with SGD at "
-                    f"its LEARNING_RATE in one process, and could not: {error}"]
+    expected = reference() if any(job.ok for job in jobs.values()) else None
     problems = []
     for schedule, job in jobs.items():
         problems += judged(job, schedule, script, expected)
