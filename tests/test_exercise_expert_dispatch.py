@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exercises.inside.expert_dispatch import (ROUND_FILE, crash_problems, load_rounds, traffic_problems,
-                                              value_problems, whole_layer)
-from mistakes import exercise_problems, seeded
+from exercises.inside.expert_dispatch import (ROUND_FILE, crash_problems, exercise_rounds, input_problems,
+                                              load_rounds, traffic_problems, value_problems, whole_layer)
+from mistakes import exercise_problems, seeded, written
 from tools.jobs import REPO
 
 SOLUTION = "exercises/11_expert_dispatch/solution.py"
@@ -122,9 +122,9 @@ def test_room_made_for_the_rows_sent_here_without_the_counts_is_named_with_the_m
 def test_no_rows_in_backward_means_autograd_never_sent_the_gradients_back(script):
     assert traffic_problems(a_round(script, backward=False), [ROUTES], finished=1, script=script) == [
         "in round 0 no rows travelled during rank 0's backward, though 2 all-to-all(s) carried rows in its forward: "
-        "autograd does not see through dist.all_to_all_single, so the gradients of the rows that went to other ranks "
-        "must come back to the ranks that sent them: make each all-to-all an autograd Function (AllToAll) whose "
-        "backward is the same all-to-all with send and receive swapped"]
+        "autograd does not see through dist.all_to_all_single, so the gradient of each row that went to another rank "
+        "must come back to the rank and the token it came from: make each all-to-all an autograd Function (AllToAll) "
+        "whose backward is the same all-to-all with send and receive swapped"]
     # a round not finished (a crash in its backward) is not judged by its backward
     assert traffic_problems(a_round(script, backward=False), [ROUTES], finished=0, script=script) == []
     counts_only = [row for row in a_round(script) if row["dtype"] == "int64"]
@@ -160,17 +160,28 @@ def made_up_round(top_k, seed=0, tokens=6):
 
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_the_whole_layer_runs_each_tokens_chosen_experts_on_it_weighted_by_its_gates(top_k):
+    """Token by token in float64, against the checker's float32 layer. Each output value is a sum of products, some as
+    large as 20 that cancel to 0.004: float32 rounds each such sum to within about 2^-24 x (the number of terms) x (the
+    sum of their magnitudes), so the bound is that, per value, with the magnitudes computed here too."""
     saved, reference = made_up_round(top_k)
-    weights = {name: weight for own in saved for name, weight in own["weights"].items()}
+    weights = {name: weight.double() for own in saved for name, weight in own["weights"].items()}
     for rank, own in enumerate(saved):
-        probs = F.softmax(own["tokens"] @ weights["router.weight"].t(), dim=-1)
-        for token, x in enumerate(own["tokens"]):
+        probs = F.softmax(own["tokens"].double() @ weights["router.weight"].t(), dim=-1)
+        for token, x in enumerate(own["tokens"].double()):
             gates, chosen = probs[token].topk(top_k)
-            expected = sum(gate * F.linear(F.gelu(F.linear(x, weights[f"experts.{e}.up.weight"],
-                                                           weights[f"experts.{e}.up.bias"])),
-                                           weights[f"experts.{e}.down.weight"], weights[f"experts.{e}.down.bias"])
-                           for gate, e in zip(gates, chosen.tolist()))
-            assert torch.allclose(reference["outputs"][rank][token], expected, atol=1e-6)
+            expected, magnitude = 0, 0
+            for gate, e in zip(gates, chosen.tolist()):
+                up, down = F.linear(x, weights[f"experts.{e}.up.weight"], weights[f"experts.{e}.up.bias"]), \
+                    weights[f"experts.{e}.down.weight"]
+                hidden = F.gelu(up)
+                expected = expected + gate * F.linear(hidden, down, weights[f"experts.{e}.down.bias"])
+                upstream = (weights[f"experts.{e}.up.weight"].abs() @ x.abs()
+                            + weights[f"experts.{e}.up.bias"].abs())  # bounds the error the hidden values carry
+                magnitude = magnitude + gate * (down.abs() @ (hidden.abs() + 1.2 * upstream)
+                                                + weights[f"experts.{e}.down.bias"].abs())
+            bound = 4 * 2**-24 * (2 * HIDDEN + HIDDEN + 2) * magnitude
+            assert ((reference["outputs"][rank][token].double() - expected).abs() <= bound).all(), \
+                (reference["outputs"][rank][token], expected, bound)
         assert reference["routes"][rank] == [int((probs.topk(top_k).indices // 2 == peer).sum()) for peer in (0, 1)]
     assert reference["holder"] == {name: int(name.split(".")[1]) // 2 for name in weights if name != "router.weight"}
 
@@ -201,7 +212,7 @@ def test_wrong_gradients_behind_right_outputs_name_what_differs():
     saved[0]["tokens_grad"] = torch.zeros_like(saved[0]["tokens_grad"])
     assert value_problems([saved], [reference])[0].startswith(
         "in round 0 (top_k 2) the gradient of rank 0's tokens differs from the whole layer's for 6 of its 6 tokens, "
-        "though the outputs are right: the gradients of the rows that went to other ranks must come back")
+        "though the outputs are right: the gradient of each row that went to another rank must come back")
     assert value_problems([saved], [reference], skip_grads=True) == []  # said already, from the all-to-alls
     saved, reference = made_up_round(top_k=2)
     saved[1]["grads"]["experts.3.down.weight"] = torch.zeros(HIDDEN, 2 * HIDDEN)
@@ -212,6 +223,45 @@ def test_wrong_gradients_behind_right_outputs_name_what_differs():
     saved[1]["grads"]["router.weight"] = saved[0]["grads"]["router.weight"] * 0
     assert value_problems([saved], [reference])[0].startswith(
         "in round 0 (top_k 2) the router's gradient, summed over the ranks, differs from the whole layer's")
+
+
+def saved_as(reference, saved, cut):
+    """Each rank's saved round with the gradients of the whole layer with one path `cut`."""
+    variant = whole_layer(reference["inputs"], cut)
+    for rank, own in enumerate(saved):
+        own.update(tokens_grad=variant["tokens_grads"][rank].clone(),
+                   grads={name: (variant["grads"][name] / 2 if name == "router.weight" else
+                                 variant["grads"][name]).clone() for name in own["weights"]})
+    return saved
+
+
+def test_tokens_cut_from_their_rows_and_gates_cut_from_the_router_are_named_not_the_all_to_alls():
+    saved, reference = made_up_round(top_k=2)
+    [problem] = value_problems([saved_as(reference, saved, "tokens")], [reference])
+    assert problem.startswith("in round 0 (top_k 2) the tokens' gradients are only what reaches them through the "
+                              "router (the gates): the results of the experts carry no gradient back to the tokens, "
+                              "although the all-to-alls sent the gradients back"), problem
+    saved, reference = made_up_round(top_k=2)
+    [problem] = value_problems([saved_as(reference, saved, "gates")], [reference])
+    assert re.match(r"in round 0 \(top_k 2\) the router's gradient, summed over the ranks, is 0 at most \(the whole "
+                    r"layer's reaches [\d.]+\), and the tokens' gradients lack what comes through the gates: the gates "
+                    r"that weigh each result were cut from the router", problem), problem
+    assert "autograd Function" not in problem
+
+
+def test_inputs_other_than_the_exercises_are_named_and_the_exercises_are_the_solutions():
+    rounds = exercise_rounds()
+    assert [own["top_k"] for own, _ in rounds] == [1, 1, 2, 2]
+    assert sorted(rounds[0][1]["weights"]) == ["experts.2.down.bias", "experts.2.down.weight", "experts.2.up.bias",
+                                               "experts.2.up.weight", "experts.3.down.bias", "experts.3.down.weight",
+                                               "experts.3.up.bias", "experts.3.up.weight", "router.weight"]
+    assert input_problems(rounds, exercise_rounds()) == []
+    changed = [[dict(own) for own in saved] for saved in rounds]
+    changed[1][0]["tokens"] = changed[1][0]["tokens"] + 0.1
+    assert input_problems(changed, rounds) == [
+        "in round 1 rank 0 saved other inputs than the exercise's (tokens): the checker compares the layer's results "
+        "with the whole layer's on the exercise's own tokens and weights; keep the script's torch.manual_seed(0) "
+        "before the layer, make_tokens and ROUNDS"]
 
 
 def test_the_rounds_every_rank_finished_are_those_judged_by_their_results(tmp_path):
@@ -304,3 +354,21 @@ def test_a_seeded_mistake_gets_its_own_verdict(edits, verdicts, tmp_path):
     assert len(problems) == len(verdicts), problems
     for problem, verdict in zip(problems, verdicts):
         assert re.match(verdict, problem, re.S), (verdict, problems)
+
+
+# Programs learners wrote from the starting file (tests/independent/): a right one with other bookkeeping passes; the
+# tokens' rows detached, or the gates, are named as such (the all-to-alls are autograd Functions in both).
+@pytest.mark.slow
+@pytest.mark.parametrize("part, verdicts", [
+    ("expert_dispatch_chunks.py", []),
+    ("expert_dispatch_tokens_detached.py", [r"in round 0 \(top_k 1\) the tokens' gradients are only what reaches them "
+                                            r"through the router \(the gates\)"]),
+    ("expert_dispatch_gates_detached.py", [r"in round 0 \(top_k 1\) the router's gradient, summed over the ranks, is 0 "
+                                           r"at most .* the gates that weigh each result were cut from the router"]),
+], ids=["right: chunks by sender and expert", "tokens detached", "gates detached"])
+def test_a_program_written_independently_gets_the_verdicts_of_its_mistakes(part, verdicts, tmp_path):
+    problems = checked(written(tmp_path, "exercises/11_expert_dispatch/start.py", part), tmp_path)
+    assert len(problems) == len(verdicts), problems
+    for problem, verdict in zip(problems, verdicts):
+        assert re.match(verdict, problem), (verdict, problems)
+        assert "autograd Function" not in problem, problem

@@ -3,9 +3,12 @@
 The script runs a few rounds of forward and backward of a mixture-of-experts layer split over 2 ranks, on tokens
 made to load the experts unevenly, and saves for each rank and round what went in (tokens, weights:
 round<i>_rank<r>_in.pt) and, once the round is done, what came out (output, gradients: round<i>_rank<r>_out.pt). The
-checker computes the whole layer in this process from what went in (every expert here, each token's top_k experts run
-on it directly), and compares each rank's output, the gradient of its tokens, every expert's weight gradients (held by
-one rank) and the router's (the ranks' sum). From expert_dispatch.jsonl (the recorder plugin of that name: every
+checker makes each round's inputs as the exercise does, from the repository's solution.py (its seeded layer, its
+make_tokens, its rounds), checks that the script's are those, and computes the whole layer in this process (every
+expert here, each token's top_k experts run on it directly); it compares each rank's output, the gradient of its
+tokens, every expert's weight gradients (held by one rank) and the router's (the ranks' sum). A gradient that is the
+whole layer's with one of its two paths cut (the tokens' rows detached on their way to the experts, or the gates
+detached from the router) is named as such. From expert_dispatch.jsonl (the recorder plugin of that name: every
 all_to_all_single as it was asked for, before it ran) it reads each round's all-to-alls: the split sizes must add up
 to the rows of their tensors, the rows each rank sent to the other must be the assignments its tokens routed to that
 rank's experts, the rows it made room for must be what the other sent, and backward must send rows too (the
@@ -16,14 +19,17 @@ import re
 import torch
 import torch.nn.functional as F
 
-from exercises.judging import COLLECTIVE_TIMEOUT_S, WORLD_SIZE, exit_problems, lines_in
-from tools.jobs import run, shown, torchrun
+from exercises.judging import COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, exit_problems, lines_in, script_module
+from tools.jobs import REPO, run, shown, torchrun
 
+SOLUTION = REPO / "exercises/11_expert_dispatch/solution.py"
 ROUND_FILE = "round{round}_rank{rank}_{part}.pt"  # part "in": tokens and weights; "out": outputs, gradients
-RTOL, ATOL = 1e-4, 1e-5  # float32 sums in another order: a correct dispatch differs by about 1e-7
-FIX_BACKWARD = ("the gradients of the rows that went to other ranks must come back to the ranks that sent them: "
-                "make each all-to-all an autograd Function (AllToAll) whose backward is the same all-to-all with "
-                "send and receive swapped")
+# Float32 sums in another order than the whole layer's: each value is off by about 1e-7 of the largest of the terms it
+# adds up (the row's largest value stands for them), a wrong dispatch by a whole term.
+RTOL, ATOL = 1e-4, 1e-5
+FIX_BACKWARD = ("the gradient of each row that went to another rank must come back to the rank and the token it came "
+                "from: make each all-to-all an autograd Function (AllToAll) whose backward is the same all-to-all "
+                "with send and receive swapped")
 
 
 def load_rounds(folder):
@@ -42,10 +48,30 @@ def load_rounds(folder):
     return rounds, finished
 
 
-def whole_layer(saved):
-    """What the whole layer computes in one process for one round (`saved`: each rank's file): every rank's output
+def exercise_rounds(module=None):
+    """Each round's inputs as the exercise makes them, from the repository's solution.py: [[{"top_k", "tokens",
+    "probe", "weights"} of rank 0, of rank 1] for each round], what every correct script saves as it begins a round."""
+    module = module or script_module(SOLUTION, "expert_dispatch_solution")
+    layers = []
+    for rank in range(WORLD_SIZE):
+        torch.manual_seed(0)  # as the script seeds every rank's whole layer, before each keeps its experts
+        layers.append(module.ExpertParallelMoE(rank, WORLD_SIZE))
+    rounds = []
+    for number, setting in enumerate(module.ROUNDS):
+        rounds.append([])
+        for rank, layer in enumerate(layers):
+            tokens, probe = module.make_tokens(number, rank, layer.router)
+            rounds[-1].append(dict(top_k=setting["top_k"], tokens=tokens.detach(), probe=probe,
+                                   weights={name: p.detach() for name, p in layer.named_parameters()}))
+    return rounds
+
+
+def whole_layer(saved, cut=None):
+    """What the whole layer computes in one process for one round (`saved`: each rank's inputs): every rank's output
     and gradient of its tokens, the gradient of every weight (of the sum of the ranks' losses), and `routes`:
-    routes[r][p], the assignments of rank r's tokens to the experts rank p holds."""
+    routes[r][p], the assignments of rank r's tokens to the experts rank p holds. `cut`: "tokens", the gradients
+    when the rows sent to the experts are detached from the tokens; "gates", when the gates are detached from the
+    router (each cuts one of the two paths from the loss to the tokens)."""
     holder = {name: rank for rank, own in enumerate(saved) for name in own["weights"] if name.startswith("experts.")}
     weights = {name: saved[rank]["weights"][name].clone().requires_grad_() for name, rank in holder.items()}
     weights["router.weight"] = saved[0]["weights"]["router.weight"].clone().requires_grad_()
@@ -55,8 +81,10 @@ def whole_layer(saved):
     for own in saved:
         x = own["tokens"].clone().requires_grad_()
         gates, chosen = F.softmax(F.linear(x, weights["router.weight"]), dim=-1).topk(top_k, dim=-1)
+        rows = x.detach() if cut == "tokens" else x
+        gates = gates.detach() if cut == "gates" else gates
         # Every expert on every token, (tokens, experts, hidden): each token then takes its chosen experts' rows.
-        every = torch.stack([F.linear(F.gelu(F.linear(x, weights[f"experts.{e}.up.weight"],
+        every = torch.stack([F.linear(F.gelu(F.linear(rows, weights[f"experts.{e}.up.weight"],
                                                       weights[f"experts.{e}.up.bias"])),
                                       weights[f"experts.{e}.down.weight"], weights[f"experts.{e}.down.bias"])
                              for e in experts], dim=1)
@@ -68,19 +96,48 @@ def whole_layer(saved):
         ranks_chosen = torch.tensor([expert_rank[e] for e in experts])[chosen.flatten()]
         routes.append(torch.bincount(ranks_chosen, minlength=len(saved)).tolist())
     loss.backward()
-    return dict(outputs=outputs, tokens_grads=[x.grad for x in tokens], routes=routes, holder=holder,
-                grads={name: weight.grad for name, weight in weights.items()})
+    return dict(inputs=saved, outputs=outputs,
+                tokens_grads=[x.grad if x.grad is not None else torch.zeros_like(x) for x in tokens],
+                routes=routes, holder=holder,
+                grads={name: weight.grad if weight.grad is not None else torch.zeros_like(weight)
+                       for name, weight in weights.items()})
+
+
+def tolerance(b):
+    """How far from `b` (a value of the whole layer's) a right result may be: RTOL of each value, and ATOL of the
+    largest value of its row (of the tensor, for a vector), at least ATOL."""
+    scale = b.abs().amax(dim=-1, keepdim=True).clamp(min=1) if b.dim() else b.abs().clamp(min=1)
+    return RTOL * b.abs() + ATOL * scale
 
 
 def close(a, b):
-    return a.shape == b.shape and torch.allclose(a, b, rtol=RTOL, atol=ATOL)
+    return a.shape == b.shape and bool(((a - b).abs() <= tolerance(b)).all())
+
+
+def input_problems(rounds, expected):
+    """The inputs the script saved for each round it began against the exercise's (`expected`: exercise_rounds())."""
+    for number, (saved, made) in enumerate(zip(rounds, expected)):
+        for rank, (own, right) in enumerate(zip(saved, made)):
+            wrong = [key for key in ("top_k", "tokens", "probe") if not (
+                own.get(key) == right[key] if key == "top_k" else
+                isinstance(own.get(key), torch.Tensor) and close(own[key], right[key]))]
+            names = sorted(set(own.get("weights") or {}) ^ set(right["weights"]))
+            wrong += [f"weights ({', '.join(names)})"] if names else [
+                f"weight {name}" for name in right["weights"]
+                if not close(own["weights"][name], right["weights"][name])]
+            if wrong:
+                return [f"in round {number} rank {rank} saved other inputs than the exercise's "
+                        f"({', '.join(wrong[:3])}): the checker compares the layer's results with the whole layer's "
+                        "on the exercise's own tokens and weights; keep the script's torch.manual_seed(0) before the "
+                        "layer, make_tokens and ROUNDS"]
+    return []
 
 
 def rows_differ(a, b):
     """How many rows of `a` differ from `b`'s, and the largest difference."""
     if a.shape != b.shape:
         return len(b), float("inf")
-    wrong = ~torch.isclose(a, b, rtol=RTOL, atol=ATOL).all(dim=1)
+    wrong = ((a - b).abs() > tolerance(b)).any(dim=1)
     return int(wrong.sum()), float((a - b).abs().max())
 
 
@@ -90,7 +147,7 @@ def permutation(a, b):
         return None
     places = []
     for row in a:
-        found = [j for j in range(len(b)) if torch.allclose(row, b[j], rtol=RTOL, atol=ATOL)]
+        found = [j for j in range(len(b)) if close(row, b[j])]
         if not found:
             return None
         places.append(found[0])
@@ -128,22 +185,56 @@ def value_problems(rounds, references, skip_grads=False):
         for rank, own in enumerate(saved):
             expected = reference["tokens_grads"][rank]
             if own["tokens_grad"] is None or not close(own["tokens_grad"], expected):
-                wrong = (len(expected) if own["tokens_grad"] is None else
-                         rows_differ(own["tokens_grad"], expected)[0])
-                return [f"{where} the gradient of rank {rank}'s tokens differs from the whole layer's for {wrong} of "
-                        f"its {len(expected)} tokens, though the outputs are right: {FIX_BACKWARD}"]
-        for name, holder in sorted(reference["holder"].items()):
-            if not close(saved[holder]["grads"][name], reference["grads"][name]):
-                expert = name.split(".")[1]
-                return [f"{where} the gradient of expert {expert}'s {name.split('.', 2)[2]} (held by rank {holder}) "
-                        "differs from the whole layer's, though the outputs are right: an expert's gradient sums "
-                        f"the gradients of the rows every rank sent it: {FIX_BACKWARD}"]
+                return [cut_problem(where, saved, reference) or (
+                    f"{where} the gradient of rank {rank}'s tokens differs from the whole layer's for "
+                    f"{len(expected) if own['tokens_grad'] is None else rows_differ(own['tokens_grad'], expected)[0]}"
+                    f" of its {len(expected)} tokens, though the outputs are right: {FIX_BACKWARD}")]
+        wrong = expert_problem(where, saved, reference)
+        if wrong:
+            return [wrong]
         router = sum(own["grads"]["router.weight"] for own in saved)
         if not close(router, reference["grads"]["router.weight"]):
             return [f"{where} the router's gradient, summed over the ranks, differs from the whole layer's: each "
                     "token's results must be weighted by the gates the router gave it (probs.topk), so that the "
                     "router learns from them"]
     return []
+
+
+def expert_problem(where, saved, reference):
+    """The first expert weight whose gradient (on the rank that holds it) is not the whole layer's, said."""
+    for name, holder in sorted(reference["holder"].items()):
+        if not close(saved[holder]["grads"][name], reference["grads"][name]):
+            expert = name.split(".")[1]
+            return (f"{where} the gradient of expert {expert}'s {name.split('.', 2)[2]} (held by rank {holder}) "
+                    "differs from the whole layer's, though the outputs are right: an expert's gradient sums "
+                    f"the gradients of the rows every rank sent it: {FIX_BACKWARD}")
+    return None
+
+
+def cut_problem(where, saved, reference):
+    """Gradients of the tokens that are the whole layer's with one path from the loss to them cut (the tokens' rows
+    detached on their way to the experts, or the gates detached from the router), said; None otherwise."""
+    router = sum(own["grads"]["router.weight"] for own in saved)
+    for cut in ("tokens", "gates"):
+        variant = whole_layer(reference["inputs"], cut)
+        if not all(close(own["tokens_grad"], variant["tokens_grads"][rank]) for rank, own in enumerate(saved)):
+            continue
+        if not close(router, variant["grads"]["router.weight"]) or expert_problem(where, saved, reference):
+            continue
+        if cut == "tokens":
+            return (f"{where} the tokens' gradients are only what reaches them through the router (the gates): the "
+                    "results of the experts carry no gradient back to the tokens, although the all-to-alls sent the "
+                    "gradients back (the experts' weights' gradients are the whole layer's). The rows sent to the "
+                    "experts were cut from the tokens (tokens.detach(), .data, or a tensor made anew from their "
+                    "values): take them from the tokens themselves, tokens[order // top_k], so that autograd "
+                    "follows them")
+        return (f"{where} the router's gradient, summed over the ranks, is {float(router.abs().max()):.2g} at most "
+                "(the whole layer's reaches "
+                f"{float(reference['grads']['router.weight'].abs().max()):.2g}), and the tokens' gradients lack "
+                "what comes through the gates: the gates that weigh each result were cut from the router "
+                "(gates.detach(), .item(), .tolist(), or computed under no_grad), so the router never learns from "
+                "the results. Weigh the results with the gates topk returned, tensors of the graph")
+    return None
 
 
 def calls_of(dispatches, rank, number, in_backward=False):
@@ -264,10 +355,14 @@ def check(script, workdir, say):
     out = workdir / "dispatch"
     cmd = [*torchrun(script, nproc=WORLD_SIZE), "--out", out, "--timeout", COLLECTIVE_TIMEOUT_S]
     say(f"running: {shown(cmd)}   (2 ranks, 2 experts each; rounds of uneven loads, top_k 1 and 2)")
-    job = run(cmd, cwd=workdir, logs=workdir / "records", record=True, timeout=120, check=False,
+    job = run(cmd, cwd=workdir, logs=workdir / "records", record=True, timeout=JOB_LIMIT_S, check=False,
               env={"JOB_RECORD_PLUGINS": "expert_dispatch"})
     rounds, finished = load_rounds(out)
-    references = [whole_layer(saved) for saved in rounds]
+    expected = exercise_rounds()[:len(rounds)]
+    wrong = input_problems(rounds, expected)
+    if wrong:
+        return wrong
+    references = [whole_layer(inputs) for inputs in expected]
     say(f"comparing {finished} round(s) with the whole layer computed in one process")
     routes = [reference["routes"] for reference in references]
     problems = traffic_problems(job.records("expert_dispatch.jsonl"), routes, finished, script)
