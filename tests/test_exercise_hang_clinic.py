@@ -7,8 +7,9 @@ import pytest
 
 from exercises.inside import hang_clinic
 from exercises.inside.hang_clinic import (CASES, START, diagnosis_problems, hang_problems, one_rank_collectives,
-                                          parting, read_diagnosis, reference_results, result_problems)
-from mistakes import exercise_problems, seeded
+                                          parting, read_diagnosis, reference_results, result_problems,
+                                          solution_traffic, traffic_problems)
+from mistakes import exercise_problems, seeded, written
 from tools.jobs import REPO
 
 SOLUTION = "exercises/12_hang_clinic/solution.py"
@@ -36,8 +37,8 @@ def test_the_rank_unlike_the_others_at_the_first_parting_is_found_with_its_colle
 
 
 def test_the_lone_rank_may_be_any_rank_and_the_line_is_start_pys_innermost():
-    found = parting(dumps([("all_reduce", 158)], [("all_reduce", 158)], [("barrier", 185)]), START)
-    assert (found["rank"], found["collective"], found["line"]) == (2, "barrier", 185)
+    found = parting(dumps([("all_reduce", 158)], [("all_reduce", 158)], [("barrier", 186)]), START)
+    assert (found["rank"], found["collective"], found["line"]) == (2, "barrier", 186)
 
 
 def test_ranks_that_never_part_or_part_evenly_name_no_rank():
@@ -55,7 +56,10 @@ def named(rank=0, collective="broadcast", line=125):
 
 def test_a_diagnosis_that_names_the_rank_the_collective_and_the_line_passes():
     assert diagnosis_problems("order", named(), TRUTH) == []
-    assert diagnosis_problems("order", named(collective="dist.broadcast"), TRUTH) == []
+    for spelled in ("dist.broadcast", "dist.broadcast()", "torch.distributed.broadcast", "gloo:broadcast", "Broadcast"):
+        assert diagnosis_problems("order", named(collective=spelled), TRUTH) == [], spelled
+    for line in ("125", "start.py:125", " 125 "):
+        assert diagnosis_problems("order", named(line=line), TRUTH) == [], line
 
 
 @pytest.mark.parametrize("diagnosis, verdict", [
@@ -126,6 +130,37 @@ def test_one_rank_alone_gets_back_from_each_collective_what_it_gave():
     assert gathered[0].tolist() == [1.0, 2.0]
 
 
+def test_what_each_rank_of_the_repositorys_fixed_cases_sends_is_counted_rank_by_rank():
+    """The model's two 4 x 4 weights (64 bytes each) are all-reduced at each of the 30 steps (3,840 bytes); the branch
+    case adds 3 reduces of a loss (4 bytes), the held-out case one all-reduce of 2 totals, the order case the two
+    weights broadcast."""
+    sent = {case: {rank: sum(size for _, size, _ in calls) for rank, calls in solution_traffic(case).items()}
+            for case in CASES}
+    assert sent == {"branch": dict.fromkeys(range(3), 3852), "heldout": dict.fromkeys(range(3), 3848),
+                    "order": dict.fromkeys(range(3), 3968)}
+    assert ("broadcast", 64, "broadcast_weights") in solution_traffic("order")[1]
+
+
+def recorded(rank, op, size, function, count=1):
+    return [dict(event="call", rank=rank, op=op, bytes=[size], caller=["/my_clinic.py", 1, function])] * count
+
+
+def test_a_fix_that_removes_a_collective_is_named_with_what_it_carried():
+    expected = {rank: [("all_reduce", 64, "average_gradients")] * 2 + [("broadcast", 64, "broadcast_weights")] * 2
+                for rank in range(3)}
+    kept = [row for rank in range(3) for row in recorded(rank, "all_reduce", 64, "average_gradients", 2)
+            + recorded(rank, "broadcast", 128, "warm_start")]
+    assert traffic_problems("order", kept, expected) == []  # the same bytes, sent another way
+    dropped = [row for rank in range(3) for row in recorded(rank, "all_reduce", 64, "average_gradients", 2)
+               + (recorded(rank, "broadcast", 64, "broadcast_weights", 2) if rank == 0 else [])]
+    [problem] = traffic_problems("order", dropped, expected)
+    assert problem == ("case order: it ended with the right result, but rank 1 sent 128 bytes in collectives, where "
+                       "the correct program's rank 1 sends 256 (broadcast in broadcast_weights(): 128 bytes, the fixed "
+                       "case 0): the fix removed communication. Each rank gets the same number here only because it "
+                       "can compute it alone; a fix makes every rank call the same collectives in the same order, and "
+                       "keeps what they carry"), problem
+
+
 def test_the_reference_is_start_pys_own_cases_on_one_rank():
     references = reference_results()
     assert set(references) == set(CASES)
@@ -148,7 +183,7 @@ def test_the_mistakes_learners_make_each_get_their_own_verdict(tmp_path):
         # the diagnosis: the rank that waited (the others), not the one out of step
         (r'"branch": \{"rank": 0,', '"branch": {"rank": 1,'),
         # the diagnosis: the line of the collective the others called (the barrier), not rank 2's
-        (r'"heldout": \{"rank": 2, "collective": "barrier", "line": 185\}',
+        (r'"heldout": \{"rank": 2, "collective": "barrier", "line": 186\}',
          '"heldout": {"rank": 2, "collective": "barrier", "line": 158}'),
         # the diagnosis: the collective the others called there
         (r'"order": \{"rank": 0, "collective": "broadcast",', '"order": {"rank": 0, "collective": "barrier",'),
@@ -175,4 +210,25 @@ def test_the_mistakes_learners_make_each_get_their_own_verdict(tmp_path):
     ]
     assert len(problems) == len(verdicts), problems
     for verdict, problem in zip(verdicts, problems):
+        assert re.search(verdict, problem), (verdict, problems)
+
+
+# Programs learners wrote from the starting file (tests/independent/): other right fixes, with a diagnosis spelled as
+# calls, pass; fixes that remove the collective where each rank can recompute the number are named, case by case.
+@pytest.mark.slow
+@pytest.mark.parametrize("part, verdicts", [
+    ("hang_clinic_other_fixes.py", []),
+    ("hang_clinic_recomputed.py", [
+        r"^case branch: it ended with the right result, but rank 0 sent 3,840 bytes in collectives, where the correct "
+        r"program's rank 0 sends 3,852 \(reduce in logged_loss\(\): 12 bytes, the fixed case 0\): the fix removed "
+        r"communication",
+        r"^case heldout: it ended with the right result, but rank 0 sent 3,840 bytes .*\(all_reduce in "
+        r"held_out_loss\(\): 8 bytes, the fixed case 0\)",
+        r"^case order: it ended with the right result, but rank 0 sent 3,840 bytes .*\(broadcast in "
+        r"broadcast_weights\(\): 128 bytes, the fixed case 0\)"]),
+], ids=["right: other fixes, the diagnosis spelled as calls", "collectives removed, numbers recomputed"])
+def test_a_program_written_independently_gets_the_verdicts_of_its_mistakes(part, verdicts, tmp_path):
+    problems = checked(written(tmp_path, "exercises/12_hang_clinic/start.py", part), tmp_path)
+    assert len(problems) == len(verdicts), problems
+    for problem, verdict in zip(problems, verdicts):
         assert re.search(verdict, problem), (verdict, problems)

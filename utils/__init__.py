@@ -14,7 +14,7 @@ from utils.helpers import (being_written, configure_cpu_threads, dcp_folder, exi
                            require_epochs_left, require_same_arguments, require_same_start, require_torch_for_fsdp,
                            require_torchrun, require_tp_fits, require_written_by, snapshot_folder, step_snapshot,
                            stop_if_unloadable, weights_digest, whole_snapshots, writable_path)
-from utils.launch import attempt_store, mesh_with_timeout, rendezvous_port, stop_on_signals
+from utils.launch import attempt_store, collectives_timeout, mesh_with_timeout, rendezvous_port, stop_on_signals
 from utils.memory import log_memory, log_slices
 from utils.metrics import log_rank_metrics
 from utils.workload import SEED, evaluate

@@ -28,18 +28,19 @@ def _stop(message):
     os._exit(1)
 
 
-def _watch(timeout_s, launcher_pid):
-    """Background duties of a torchrun worker: stop if its process group has not formed within timeout_s, and stop as
-    soon as its launcher is gone, for the whole life of the worker. Once the group has formed, the first duty is done:
-    after destroy_process_group() dist.is_initialized() is False again, and a worker that goes on (evaluating, plotting)
-    must not be taken for one whose group never formed."""
-    deadline, formed = time.monotonic() + timeout_s, False
+def _watch(timeout_s, launcher_pid, rendezvous_s=None):
+    """Background duties of a torchrun worker: stop if its process group has not formed within timeout_s (rendezvous_s,
+    when the group has a bound of its own to form in), and stop as soon as its launcher is gone, for the whole life of
+    the worker. Once the group has formed, the first duty is done: after destroy_process_group() dist.is_initialized()
+    is False again, and a worker that goes on (evaluating, plotting) must not be taken for one whose group never
+    formed."""
+    deadline, formed = time.monotonic() + (rendezvous_s or timeout_s), False
+    bound = f"--timeout {timeout_s} s" if rendezvous_s is None else f"--rendezvous_timeout {rendezvous_s} s"
     while True:
         formed = formed or dist.is_initialized()
         if not formed and time.monotonic() > deadline:
-            _stop(f"error: rank {os.environ.get('RANK')}: the process group did not form within --timeout "
-                  f"{timeout_s} s: a rank did not arrive, or its address cannot be reached (see the troubleshooting "
-                  "docs)")
+            _stop(f"error: rank {os.environ.get('RANK')}: the process group did not form within {bound}: a rank did "
+                  "not arrive, or its address cannot be reached (see the troubleshooting docs)")
         if os.getppid() != launcher_pid:  # torchrun was killed (SIGKILL leaves it no time to stop its workers)
             _stop(f"error: rank {os.environ.get('RANK')}: torchrun (pid {launcher_pid}) is gone, so this worker "
                   "stops; run the same command again to resume from the last snapshot")
@@ -185,8 +186,10 @@ def _one_line_for_known_causes(timeout_s, shown):
     return hook
 
 
-def attempt_store(timeout_s):
+def attempt_store(timeout_s, rendezvous_s=None):
     """The store the workers of this torchrun attempt form their process group in: pass it to init_process_group.
+    timeout_s is the job's --timeout, which each collective gets; rendezvous_s, when given, bounds the forming of the
+    group instead (a busy machine can take far longer to start every rank than a collective may wait for one).
 
     Why: since torch 2.5, torchrun keeps one store for the whole job and hands it to every attempt's workers, and the
     process group writes each rank's address under the same keys at every attempt. After a restart, a rank can read
@@ -198,12 +201,12 @@ def attempt_store(timeout_s):
     attempt a store of its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or torch < 2.5), there is nothing to do:
     None, and init_process_group uses the usual env:// rendezvous.
 
-    It also bounds this worker's life: if the process group has not formed within timeout_s it stops with one line
+    It also bounds this worker's life: if the process group has not formed within that bound it stops with one line
     (gloo's own connect can wait 5 x the timeout), and if torchrun is gone it stops with one line instead of
     training on alone, writing the snapshot a new job reads. Ctrl-C, and an error whose cause is known (a collective
     that gave up waiting for a peer, above all), stop it with one line, not a traceback.
     """
-    threading.Thread(target=_watch, args=(timeout_s, os.getppid()), daemon=True).start()
+    threading.Thread(target=_watch, args=(timeout_s, os.getppid(), rendezvous_s), daemon=True).start()
     # Every line this worker prints reaches the terminal or the log in one write: unbuffered (PYTHONUNBUFFERED, as a
     # job runner sets it), Python writes a message and its newline apart, and two ranks' one-line errors, printed at
     # the same moment, ran together on one line.
@@ -214,10 +217,10 @@ def attempt_store(timeout_s):
     sys.excepthook = _one_line_for_known_causes(timeout_s, sys.excepthook)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (rendezvous_s or timeout_s)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          timeout=timedelta(seconds=timeout_s))
+                          timeout=timedelta(seconds=rendezvous_s or timeout_s))
     if rank == 0:
         attempt = str(store.add("attempts", 1))
         for other in range(1, world_size):
@@ -276,13 +279,18 @@ def rendezvous_port(host="127.0.0.1"):
         return str(sock.getsockname()[1])
 
 
+def collectives_timeout(timeout_s, group=None):
+    """Every collective of `group` (the default one: None) gives up after timeout_s from now on, whatever bound the
+    group was made with. torch 2.14 has dist.set_timeout; older releases (2.6 among them) have the same function as
+    dist.distributed_c10d._set_pg_timeout, which 2.14 keeps as a deprecated alias."""
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout(timedelta(seconds=timeout_s), group)
+
+
 def mesh_with_timeout(mesh, timeout_s):
     """`mesh`, its process groups bound by the job's timeout. init_device_mesh makes a group for each dimension of a
     mesh with torch's default timeout (30 minutes on gloo, 10 on nccl), not the timeout of the default group
-    (pytorch#119574): a rank stuck in a tensor-parallel all-reduce would keep its peers waiting that long. torch 2.14
-    has dist.set_timeout; older releases (2.6 among them) have the same function as
-    dist.distributed_c10d._set_pg_timeout, which 2.14 keeps as a deprecated alias."""
-    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    (pytorch#119574): a rank stuck in a tensor-parallel all-reduce would keep its peers waiting that long."""
     for name in mesh.mesh_dim_names:
-        set_timeout(timedelta(seconds=timeout_s), mesh.get_group(name))
+        collectives_timeout(timeout_s, mesh.get_group(name))
     return mesh

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from utils import attempt_store, configure_cpu_threads, exit_without_teardown, positive_int
+from utils import attempt_store, collectives_timeout, configure_cpu_threads, exit_without_teardown, positive_int
 from utils.launch import dump_flight_recorder, flight_recorder_on
 
 # Your diagnosis of each case, as start.py is given: the rank out of step with the others, the collective that rank
@@ -177,8 +177,9 @@ def run_case(case, rank, world_size):
 
 def main(args):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", store=attempt_store(args.timeout), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group("gloo", store=attempt_store(args.timeout, args.rendezvous_timeout), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=args.rendezvous_timeout))
+    collectives_timeout(args.timeout)  # the group waits for every rank to start; a collective, only --timeout
     configure_cpu_threads(world_size)
     result = run_case(args.case, rank, world_size)
     # Every rank has finished before rank 0 reports.
@@ -196,4 +197,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", required=True, choices=CASES, help="Which case of the clinic to run")
     parser.add_argument("--timeout", default=10, type=positive_int, help="Seconds before a stuck collective fails")
+    parser.add_argument("--rendezvous_timeout", default=120, type=positive_int,
+                        help="Seconds for every rank to start and join the process group (a busy machine is slow)")
     main(parser.parse_args())

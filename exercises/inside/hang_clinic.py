@@ -7,7 +7,11 @@ parted: the rank whose call there differs from all the others', what it called, 
 
 The fix: the learner's script runs the case on RANKS CPU ranks within --timeout, and rank 0's result must be what the
 correct program computes: start.py's own case on one rank, where no collective can be out of step (every collective
-of one rank gives back what it was given), computed here, in this process.
+of one rank gives back what it was given), computed here, in this process. And a fix makes the ranks agree; it does
+not remove what they send each other: every rank of the fixed case (its collectives recorded) sends at least the bytes
+the repository's fixed case sends on that rank (solution.py's case, its collectives counted here, rank by rank). A
+collective dropped where each rank can recompute the same number (every rank warming up the same weights itself)
+gives the right result here and is caught there.
 """
 import ast
 import json
@@ -18,14 +22,14 @@ import time
 import types
 from pathlib import Path
 
-from exercises.judging import exit_problems, listed, script_module
+from exercises.judging import JOB_LIMIT_S, exit_problems, listed, script_module
 from tools.jobs import REPO, shown, start, torchrun
 
 START = REPO / "exercises/12_hang_clinic/start.py"
+SOLUTION = REPO / "exercises/12_hang_clinic/solution.py"
 CASES = ("branch", "heldout", "order")
 RANKS = 3  # three ranks: at the first collective where they part, the one out of step is the one unlike the others
 CASE_TIMEOUT_S = 5  # --timeout: a stuck collective gives up after this, and the run ends
-JOB_LIMIT_S = 120  # a run that has not ended by then (a busy machine's slow start included) is stopped
 FLIGHT_RECORDER_ENTRIES = 2000  # more than any case calls
 RESULT = re.compile(r"case (\w+) \| result (\{.*\})")
 GAVE_UP = re.compile(r"^error: rank (\d+): a (?:collective gave up after --timeout|peer is gone)", re.MULTILINE)
@@ -85,6 +89,19 @@ def parting(dumps, script):
     return None
 
 
+def collective_name(name):
+    """A collective as the diagnosis may spell it (`dist.reduce()`, `torch.distributed.all_reduce`, `gloo:reduce`,
+    `all-reduce`), as torch names it."""
+    name = re.sub(r"^(torch\.distributed\.|dist\.|gloo:)", "", str(name).strip())
+    return re.sub(r"\(.*\)$", "", name).strip().replace("-", "_").lower()
+
+
+def line_number(line):
+    """A line as the diagnosis may give it (186, "186", "start.py:186"), as a number; None if it is none."""
+    found = re.fullmatch(r"(?:.*:)?\s*(\d+)\s*", str(line))
+    return int(found[1]) if found else None
+
+
 def diagnosis_problems(case, diagnosis, truth):
     """The learner's diagnosis of one case against the truth `parting` found."""
     named = (diagnosis or {}).get(case) or {}
@@ -97,10 +114,10 @@ def diagnosis_problems(case, diagnosis, truth):
                 f"called: find the first collective (by its number in each rank's dump) at which one rank differs "
                 "from all the others (torchfrtrace names it the culprit, or all the others when it compares "
                 "against that rank)"]
-    if str(named["collective"]).removeprefix("dist.").removeprefix("gloo:") != truth["collective"]:
+    if collective_name(named["collective"]) != truth["collective"]:
         return [f"case {case}: the diagnosis names {named['collective']} as rank {truth['rank']}'s collective, but "
                 f"it called another one there (the dump's entry names it, as gloo:NAME)"]
-    if named["line"] != truth["line"]:
+    if line_number(named["line"]) != truth["line"]:
         return [f"case {case}: the diagnosis names line {named['line']}, but rank {truth['rank']}'s "
                 f"{truth['collective']} there was called from another line of start.py (the frames of its entry "
                 "in the dump: torchfrtrace -v, or the entry's 'frames')"]
@@ -166,6 +183,69 @@ def one_rank_collectives():
         get_rank=lambda *args, **kwargs: 0, get_world_size=lambda *args, **kwargs: 1)
 
 
+def counting_collectives(rank, calls):
+    """torch.distributed as rank `rank` of RANKS calls it, each collective only noted in `calls` as (its name, the bytes
+    of the tensors it was given, the function that called it), none run: what a rank sends, for a case whose control
+    flow does not depend on what the collectives return."""
+    import sys
+
+    import torch
+
+    def counting(name):
+        def collective(*args, **kwargs):
+            tensors = [value for value in [*args, *kwargs.values()] if isinstance(value, torch.Tensor)]
+            tensors += [item for value in [*args, *kwargs.values()] if isinstance(value, (list, tuple))
+                        for item in value if isinstance(item, torch.Tensor)]
+            calls.append((name, sum(tensor.numel() * tensor.element_size() for tensor in tensors),
+                          sys._getframe(1).f_code.co_name))
+        return collective
+
+    return types.SimpleNamespace(**{name: counting(name) for name in (
+        "all_reduce", "reduce", "broadcast", "barrier", "all_gather", "gather", "scatter", "reduce_scatter",
+        "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv")},
+        get_rank=lambda *args, **kwargs: rank, get_world_size=lambda *args, **kwargs: RANKS)
+
+
+def solution_traffic(case, solution=SOLUTION):
+    """{rank: [(collective, bytes, function), ...]}: what each rank of the repository's fixed case sends, counted."""
+    module = script_module(solution, "hang_clinic_solution")
+    traffic = {}
+    for rank in range(RANKS):
+        traffic[rank] = []
+        module.dist = counting_collectives(rank, traffic[rank])
+        module.run_case(case, rank, RANKS)
+    return traffic
+
+
+def traffic_problems(case, collectives, expected, script=None):
+    """Each rank's bytes sent in the learner's fixed case (`collectives`: its collectives.jsonl rows) against the
+    repository's fixed case's (`expected`: solution_traffic): a fix may reorder or reshape the collectives, not
+    remove what they carry."""
+    for rank, calls in sorted(expected.items()):
+        mine = [row for row in collectives if row["event"] == "call" and row["rank"] == rank]
+        sent, needed = sum(sum(row["bytes"]) for row in mine), sum(size for _, size, _ in calls)
+        if sent >= needed:
+            continue
+        by_function = {}
+        for name, size, function in calls:
+            by_function.setdefault((name, function), 0)
+            by_function[(name, function)] += size
+        kept = {}
+        for row in mine:
+            function = (row.get("caller") or [None, None, None])[2]
+            kept.setdefault((row["op"], function), 0)
+            kept[(row["op"], function)] += sum(row["bytes"])
+        missing = [(name, function, size) for (name, function), size in by_function.items()
+                   if kept.get((name, function), 0) < size]
+        what = "; ".join(f"{name} in {function}(): {size:,} bytes, the fixed case {kept.get((name, function), 0):,}"
+                         for name, function, size in missing[:2])
+        return [f"case {case}: it ended with the right result, but rank {rank} sent {sent:,} bytes in collectives, "
+                f"where the correct program's rank {rank} sends {needed:,} ({what}): the fix removed communication. "
+                "Each rank gets the same number here only because it can compute it alone; a fix makes every rank "
+                "call the same collectives in the same order, and keeps what they carry"]
+    return []
+
+
 def reference_results(start=START):
     """Each case's result as the correct program computes it: start.py's case on one rank, in this process."""
     module = script_module(start, "hang_clinic_start")
@@ -205,7 +285,8 @@ def check(script, workdir, say):
         fixed.mkdir(parents=True, exist_ok=True)
         say(f"running: {shown(case_command(script, case))}")
         # The learner's runs record nothing: a Flight Recorder turned on in their shell would only slow a hang's end.
-        fixed_jobs[case] = start(case_command(script, case), cwd=fixed,
+        fixed_jobs[case] = start(case_command(script, case), cwd=fixed, logs=fixed / "records",
+                                 record_collectives=True,
                                  env={"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None})
     references = reference_results()
     deadline = time.monotonic() + JOB_LIMIT_S
@@ -225,7 +306,8 @@ def check(script, workdir, say):
         if ended:
             problems += [problem if problem.startswith("case ") else f"case {case}: {problem}" for problem in ended]
         else:
-            problems += result_problems(case, result_of(job.output, case), references[case])
+            problems += (result_problems(case, result_of(job.output, case), references[case])
+                         or traffic_problems(case, job.records("collectives.jsonl"), solution_traffic(case), script))
     if None not in truths.values():
         _TRUTHS[START.read_text()] = truths
     return problems
