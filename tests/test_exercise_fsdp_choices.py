@@ -9,7 +9,7 @@ from exercises.inside import fsdp_choices
 from exercises.inside.fsdp_choices import (global_batches, granularity_problems, model_facts, order_problems,
                                            peak_problems, plain_problems, records_problems, reference,
                                            result_problems, step_losses)
-from mistakes import exercise_problems, seeded
+from mistakes import exercise_problems, seeded, written
 from tools.jobs import REPO
 
 SOLUTION = "exercises/9_fsdp_choices/solution.py"
@@ -82,6 +82,18 @@ def test_only_a_phase_over_the_bound_is_named():
     [problem] = judged(steps(forward=110, backward=310, at_peak=("", "blocks.3", "blocks.2", "blocks.1")))
     assert problem.startswith("rank 0 held parameters whole at once: 0.3 KiB in backward, over"), problem
     assert problem.endswith("the units whole then: the root, blocks.3, blocks.2 and blocks.1"), problem
+
+
+def test_a_block_left_in_the_roots_unit_is_named_not_the_root():
+    units = [a_unit("", ROOT_PARAMS + block_params(3), 110, gathers=1, resharded=False),
+             *(a_unit(f"blocks.{block}", block_params(block), 100) for block in range(3))]
+    [problem] = judged(steps(units, forward=310, backward=310, at_peak=("", "blocks.0", "blocks.1")))
+    assert problem.startswith("rank 0 held parameters whole at once: 0.3 KiB in forward and 0.3 KiB in backward, over "
+                              "the bound of 0.2 KiB"), problem
+    assert problem.endswith("`blocks.3` is not a unit of its own: its parameters (0.1 KiB) went into the root's unit, "
+                            "which holds them whole whenever it is whole (the root's, from its forward until its "
+                            "backward), beside the blocks gathered one by one. Call "
+                            "fully_shard(model.blocks[3], mesh=mesh) too: every block, before the root"), problem
 
 
 def test_blocks_that_are_roots_of_their_own_keep_their_parameters_until_backward():
@@ -212,6 +224,22 @@ DIFFERS = r"the training differs from DDP's: at step 1 the ranks' mean loss was 
 ], ids=["root first", "no root", "every linear", "kept whole, optimizer first"])
 def test_a_seeded_mistake_gets_its_own_verdict(edits, verdicts, tmp_path):
     problems = checked(seeded(tmp_path, SOLUTION, *edits), tmp_path)
+    assert len(problems) == len(verdicts), problems
+    for problem, verdict in zip(problems, verdicts):
+        assert re.match(verdict, problem), (verdict, problems)
+
+
+# Programs learners wrote from the starting file (tests/independent/): blocks found by their type pass; the last block
+# left in the root's unit is named as such, not as a root kept whole.
+@pytest.mark.slow
+@pytest.mark.parametrize("part, verdicts", [
+    ("fsdp_choices_by_type.py", []),
+    ("fsdp_choices_last_block_in_root.py", [
+        r"rank \d held parameters whole at once: [\d.]+ KiB in forward and [\d.]+ KiB in backward, over the bound .*: "
+        r"`blocks\.3` is not a unit of its own: its parameters \([\d.]+ KiB\) went into the root's unit"]),
+], ids=["right: blocks by type", "the last block in the root's unit"])
+def test_a_program_written_independently_gets_the_verdicts_of_its_mistakes(part, verdicts, tmp_path):
+    problems = checked(written(tmp_path, "exercises/9_fsdp_choices/start.py", part), tmp_path)
     assert len(problems) == len(verdicts), problems
     for problem, verdict in zip(problems, verdicts):
         assert re.match(verdict, problem), (verdict, problems)

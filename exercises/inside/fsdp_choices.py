@@ -13,20 +13,24 @@ forward and in backward. What a correct shard(model, mesh) gives:
   whole after their forward (reshard_after_forward=False) hold every block at once when forward ends;
 - units no finer than a block: every unit is one all-gather in forward and another in backward, and one per block
   (9 all-gathers a step here) meets the bound;
-- and the same training as DDP: the mean of the ranks' losses at each step, and the final weights rank 0 saved, are
-  what one process computes on the same samples (both ranks' batches together), within float rounding.
+- and the same training as DDP: the ranks train on the samples the exercise's DistributedSampler deals them, and the
+  mean of the ranks' losses at each step, and the final weights rank 0 saved, are what one process computes on those
+  samples (both ranks' batches together), with the repository's model and optimizer, within float rounding.
 """
+import math
 import re
 
 import torch
 
-from exercises.judging import COLLECTIVE_TIMEOUT_S, WORLD_SIZE, exit_problems, line_of, listed, script_module
+from exercises.judging import (COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, exit_problems, line_of, listed,
+                               script_module)
 from tools.jobs import REPO, run, shown, torchrun
 
 SOLUTION = REPO / "exercises" / "9_fsdp_choices" / "solution.py"
 SAVED = "fsdp_weights.pt"  # the script's default --weights, in its working folder
 LOSS_TOLERANCE = 1e-4  # a reduce-scatter's and one process's sums round apart by ~1e-7; a wrong gradient is far off
 WEIGHT_TOLERANCE = 1e-4
+BATCH_SIZE = 32  # samples per rank and step: 2,048 samples on 2 ranks make 32 steps
 
 
 def exercise():
@@ -42,6 +46,7 @@ def model_facts(model):
     root_own = whole - sum(blocks)
     return dict(blocks=len(blocks), block=max(blocks), root_own=root_own, whole=whole,
                 bound=root_own + 2 * max(blocks), gathers=2 * len(blocks) + 1,
+                sizes={name: param.nbytes for name, param in model.named_parameters()},
                 root_names=sorted({name.split(".")[0] for name, _ in model.named_parameters()} - {"blocks"}))
 
 
@@ -92,9 +97,23 @@ def peak_problems(steps, facts):
     phase, worst = max(over.items(), key=lambda item: item[1]["peaks"][item[0]])
     units = worst["units"]
     spanning = [unit for unit in units if len({block_of(name) for name in unit["params"]} - {None}) > 1]
+    # A block whose parameters went into a unit that holds more than the block (the root's, say): that unit holds them
+    # whole with its own. (A block that is a root of its own is a unit of only its parameters, named "".)
+    strays = [(unit, block) for unit in units for block in sorted({block_of(name) for name in unit["params"]} - {None})
+              if any(block_of(name) is None for name in unit["params"])
+              or unit["module"] not in ("", f"blocks.{block}")]
     kept = [unit for unit in units if unit["module"] and unit["resharded_in_forward"] is False]
     roots = [unit for unit in units if not unit["module"]]
-    if spanning:
+    if strays and not spanning:
+        unit, block = strays[0]
+        size = sum(facts.get("sizes", {}).get(name, facts["block"] / 3) for name in unit["params"]
+                   if block_of(name) == block)
+        why = (f"`blocks.{block}` is not a unit of its own: its parameters ({kib(size)}) went into "
+               f"{unit_name(unit)}'s unit, which holds them whole whenever it is whole"
+               + (" (the root's, from its forward until its backward)" if not unit["module"] else "")
+               + f", beside the blocks gathered one by one. Call fully_shard(model.blocks[{block}], mesh=mesh) too: "
+               "every block, before the root")
+    elif spanning:
         unit = spanning[0]
         blocks = sorted({block_of(name) for name in unit["params"]} - {None})
         why = (f"{unit_name(unit)} is one unit that holds the parameters of blocks {listed(blocks)} "
@@ -151,6 +170,29 @@ def plain_problems(steps, facts):
     return [f"{kib(row['plain'])} of the parameters the optimizer steps are not sharded ({whose}): no unit holds "
             "them, so their gradients are averaged over the ranks by nobody and each rank's copy trains on its own "
             "half of the data. Shard the root too, after the blocks: fully_shard(model, mesh=mesh)"]
+
+
+def exercise_batches(module=None, batch_size=BATCH_SIZE):
+    """Each step's global batch as the exercise deals it (the repository's data and DistributedSampler over the
+    ranks, batches of `batch_size` per rank): rank 0's samples, then rank 1's."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    module = module or exercise()
+    train_set, _ = module.teacher_data(module.SEED)
+    shares = [list(DistributedSampler(train_set, num_replicas=WORLD_SIZE, rank=rank)) for rank in range(WORLD_SIZE)]
+    steps = math.ceil(len(shares[0]) / batch_size)
+    return [[index for share in shares for index in share[step * batch_size:(step + 1) * batch_size]]
+            for step in range(steps)]
+
+
+def data_problems(batches, expected):
+    """The samples the ranks trained on (`batches`, recorded) against those the exercise's sampler deals."""
+    for step, (got, want) in enumerate(zip(batches, expected)):
+        if got != want:
+            return [f"at step {step} the ranks trained on other samples than the exercise's DistributedSampler deals "
+                    f"them ({len(set(got) - set(want))} of {len(want)} others): keep the script's DataLoader, "
+                    f"DistributedSampler(train_set) and --batch_size"]
+    return []
 
 
 def global_batches(samples):
@@ -219,10 +261,10 @@ def result_problems(losses, weights, expected_losses, expected_weights):
 def check(script, workdir, say):
     """Run the learner's script under torchrun with the fsdp_choices recorder; judge its units, its peaks of
     parameters held whole, and its training against one process's."""
-    cmd = [*torchrun(script, nproc=WORLD_SIZE), "--timeout", str(COLLECTIVE_TIMEOUT_S)]
+    cmd = [*torchrun(script, nproc=WORLD_SIZE), "--batch_size", BATCH_SIZE, "--timeout", str(COLLECTIVE_TIMEOUT_S)]
     say(f"running: {shown(cmd)}")
     job = run(cmd, cwd=workdir, logs=workdir / "records", record=True, env={"JOB_RECORD_PLUGINS": "fsdp_choices"},
-              timeout=120, check=False)
+              timeout=JOB_LIMIT_S, check=False)
     rows = job.records("fsdp_choices.jsonl")
     shards = [row for row in rows if row.get("event") == "shard"]
     order = order_problems(shards, script)
@@ -248,5 +290,9 @@ def records_problems(rows, samples, weights, script=None, module=None):
     facts = model_facts(module.build_model(train_set.tensors[0].shape[1]))
     problems = (order_problems(shards, script) + plain_problems(steps, facts) + peak_problems(steps, facts)
                 + granularity_problems(steps, facts))
-    expected_losses, expected_weights = reference(global_batches(samples), module)
+    batches = exercise_batches(module)
+    wrong = data_problems(global_batches(samples), batches)
+    if wrong:
+        return problems + wrong
+    expected_losses, expected_weights = reference(batches, module)
     return problems + result_problems(step_losses(samples), weights, expected_losses, expected_weights)
