@@ -10,7 +10,7 @@ import torch
 from exercises.inside import zero_by_hand as checker
 from exercises.inside.zero_by_hand import (averaging_problems, communication_problems, crash_problems,
                                            gradient_problems, merged, state_problems, weights_problems)
-from mistakes import exercise_problems, seeded
+from mistakes import exercise_problems, seeded, written
 from tools.jobs import REPO
 
 STEPS = 40
@@ -107,6 +107,21 @@ def test_zero_2_that_keeps_the_models_gradients_is_named_by_their_bytes(expected
     assert problem.endswith("free the rest before the step: p.grad = None for every parameter of the model")
 
 
+def test_gradients_held_off_every_grad_are_named_by_what_holds_them(expected, script):
+    """A flat gradient kept in an attribute or a variable, given to the reduce-scatter at line 5: no .grad holds it,
+    but it is held as the step begins."""
+    rows = plugin_rows(expected, held=4 * (2 * SHARD + SHARD))
+    for row in rows:
+        row["holders"] = [dict(bytes=8 * SHARD, what="collective", op="reduce_scatter_tensor",
+                               caller=[str(script), 5, "step"]), dict(bytes=4 * SHARD, what="grad")]
+    [problem] = gradient_problems(rows, expected, script=script)
+    assert problem.startswith("with --stage 2, ranks 0 and 1 each held 2,040 bytes of gradients as they stepped (the "
+                              "memory of every tensor that holds a gradient, wherever it is held; a slice keeps its "
+                              "whole tensor alive: 1,360 given to reduce_scatter_tensor at line 5 (in step: "
+                              "`dist.all_reduce(flat_grad)`), still held (a variable, an attribute); 680 in a .grad). "
+                              "ZeRO-2 keeps its shard's only: 680 bytes (170 x 4)"), problem
+
+
 def test_a_sum_of_the_ranks_gradients_is_told_from_their_average(expected):
     summed = plugin_rows(expected, squares=(2 * expected["grad_square"], 2 * expected["grad_square"]))
     [problem] = averaging_problems(optimizer_rows(), summed, expected, 2)
@@ -195,7 +210,7 @@ NO_ALL_GATHER = (r"gathered = torch\.empty\(self\.padded_numel\)\n"
                  "gathered = self.padded(torch.cat([p.detach().reshape(-1) for p in self.params]))\n"
                  "        gathered[self.start:self.start + self.shard_size] = self.shard.detach()")
 ALL_REDUCE_SUMMED = (r"shard_grad = torch\.empty\(self\.shard_size\)\n        REDUCE_SCATTER\(shard_grad, flat_grad\)\n"
-                     r"        self\.shard\.grad = shard_grad / self\.world_size",
+                     r"        shard_grad /= self\.world_size\n        self\.shard\.grad = shard_grad",
                      "dist.all_reduce(flat_grad)\n        self.shard.grad = flat_grad[self.start:self.start + "
                      "self.shard_size]")
 START_OFF_BY_ONE = (r"self\.start = self\.rank \* self\.shard_size",
@@ -255,3 +270,19 @@ def test_a_flat_vector_not_padded_is_named_when_it_crashes(tmp_path):
     assert problem.startswith("with --stage 2, the flat vector of 339 parameters does not cut into 2 equal shards"), \
         problem
     assert "split_with_sizes expects split_sizes to sum exactly to 338" in problem
+
+
+# Programs learners wrote from the starting file (tests/independent/): a right one with the list forms of the
+# collectives passes; a flat gradient kept in a buffer of the optimizer's is gradient memory held at the step.
+@pytest.mark.slow
+@pytest.mark.parametrize("part, verdicts", [
+    ("zero_by_hand_chunks.py", []),
+    ("zero_by_hand_kept_buffer.py", [r"with --stage 2, ranks 0 and 1 each held 2,040 bytes of gradients as they "
+                                     r"stepped \(.*: 1,360 given to reduce_scatter_\w+ at line \d+ \(in step: "
+                                     r"`REDUCE_SCATTER\(gradient, self\.flat_grad\)`\), still held"]),
+], ids=["right: list forms, chunks", "a flat gradient kept"])
+def test_a_program_written_independently_gets_the_verdicts_of_its_mistakes(part, verdicts, tmp_path):
+    problems = checked(written(tmp_path, "exercises/8_zero_by_hand/start.py", part), tmp_path)
+    assert len(problems) == len(verdicts), problems
+    for problem, verdict in zip(problems, verdicts):
+        assert re.match(verdict, problem), (verdict, problems)

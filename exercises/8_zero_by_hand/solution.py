@@ -79,11 +79,12 @@ class ShardedAdamW:
         flat_grad = self.padded(torch.cat([p.grad.reshape(-1) for p in self.params]))
         # TODO 2: each rank needs only its shard's gradient, averaged over the ranks
         # A reduce-scatter sums the ranks' vectors and hands rank r shard r of the sum: Psi (N-1)/N bytes sent from
-        # each rank, half an all-reduce's 2 Psi (N-1)/N. The sum over the ranks, divided by their number, is the
-        # gradient of the mean loss over the global batch.
+        # each rank, half an all-reduce's 2 Psi (N-1)/N. The sum over the ranks, divided by their number (in place:
+        # one shard of gradients, not two), is the gradient of the mean loss over the global batch.
         shard_grad = torch.empty(self.shard_size)
         REDUCE_SCATTER(shard_grad, flat_grad)
-        self.shard.grad = shard_grad / self.world_size
+        shard_grad /= self.world_size
+        self.shard.grad = shard_grad
         # TODO 3: with --stage 2, keep no gradient but the shard's: free the whole model's before the step
         # ZeRO-2: the reduce-scatter has taken what this rank needs from the whole gradient; the rest is freed, so
         # the rank holds 1/world_size of the gradients as it steps. (DeepSpeed and FSDP reduce-scatter bucket by

@@ -10,8 +10,9 @@ zero_by_hand the gradients each rank holds as it steps and a digest of its model
 - every rank holds the same model as each step begins (the all-gather gave it every shard);
 - the optimizer state a rank holds (AdamW's two moments of the tensors it steps) is 1/N of the whole AdamW's: 2 x Psi
   x 4 bytes / N, where Psi is the parameter count, rounded up to a shard of the padded flat vector;
-- with --stage 2, the gradients a rank holds as it steps (the .grad of the model's parameters and of what the
-  optimizer steps) are its shard's only: Psi x 4 bytes / N;
+- with --stage 2, the gradients a rank holds as it steps, wherever they are held (the .grad of the model's parameters
+  and of what the optimizer steps, the gradients backward made, the tensors given to a reduce-scatter or an
+  all-reduce since, while anything still references them) are its shard's only: Psi x 4 bytes / N;
 - each rank moves 2 Psi (N-1)/N elements a step, as ring algorithms move them: a reduce-scatter of the gradients
   (Psi (N-1)/N) and an all-gather of the parameters (as much), the same as plain data parallelism's all-reduce.
   All-reducing the gradients (2 Psi (N-1)/N) before the all-gather moves 3 Psi (N-1)/N: half as much again.
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from exercises.judging import COLLECTIVE_TIMEOUT_S, WORLD_SIZE, exit_problems, line_of, listed, script_module
+from exercises.judging import (COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, exit_problems, line_of, listed,
+                               script_module)
 from tools.jobs import REPO, shown, start, torchrun
 
 SOLUTION = REPO / "exercises/8_zero_by_hand/solution.py"
@@ -221,20 +223,36 @@ def state_problems(steps, expected, stage):
             "AdamW over that shard only, not over the whole model's parameters"]
 
 
-def gradient_problems(plugin_rows, expected, stage=2):
-    """With --stage 2, the gradients a rank holds as it steps: its shard's only."""
+def holder(row, script=None):
+    """What holds `row["bytes"]` of gradients (a row of the plugin's `holders`), in the learner's terms."""
+    if row["what"] == "grad":
+        return f"{row['bytes']:,} in a .grad"
+    if row["what"] == "backward":
+        return (f"{row['bytes']:,} in a gradient backward made, set to None on its parameter but still held (a list, "
+                "a variable)")
+    caller = row.get("caller")
+    where = (line_of(script, caller[1], caller[2]) if script and caller and Path(caller[0]) == Path(script)
+             else "a line of a library")
+    return f"{row['bytes']:,} given to {row['op']} at {where}, still held (a variable, an attribute)"
+
+
+def gradient_problems(plugin_rows, expected, stage=2, script=None):
+    """With --stage 2, the gradients a rank holds as it steps, wherever they are held: its shard's only."""
     share = 4 * shard_of(expected["numel"])
-    held = {}
+    held, worst = {}, {}
     for row in plugin_rows:
-        held[row["rank"]] = max(held.get(row["rank"], 0), row["held_grads"])
+        if row["held_grads"] > held.get(row["rank"], -1):
+            held[row["rank"]], worst[row["rank"]] = row["held_grads"], row
     over = sorted(rank for rank, grads in held.items() if grads > share)
     if not over:
         return []
+    holders = worst[over[0]].get("holders") or []
+    what = f": {'; '.join(holder(row, script) for row in holders[:3])}" if holders else ""
     return [f"with --stage {stage}, {who(over)} held {held[over[0]]:,} bytes of gradients {stepping(over)} (the "
-            "memory of every .grad, the model's parameters' and the optimizer's; a slice keeps its whole tensor "
-            f"alive). ZeRO-2 keeps its shard's only: {share:,} bytes ({shard_of(expected['numel'])} x 4). Once the "
-            "reduce-scatter has given the rank its shard's gradient, a tensor of its own, free the rest before the "
-            "step: p.grad = None for every parameter of the model"]
+            "memory of every tensor that holds a gradient, wherever it is held; a slice keeps its whole tensor "
+            f"alive{what}). ZeRO-2 keeps its shard's only: {share:,} bytes ({shard_of(expected['numel'])} x 4). Once "
+            "the reduce-scatter has given the rank its shard's gradient, a tensor of its own (divided in place), free "
+            "the rest before the step: p.grad = None for every parameter of the model"]
 
 
 def traffic(call):
@@ -244,6 +262,8 @@ def traffic(call):
         return 0
     if call["op"] == "all_gather" and len(sizes) > 1:  # a list of outputs, then the input
         return sum(sizes[:-1])
+    if call["op"] == "reduce_scatter" and len(sizes) > 1:  # the output, then a list of inputs
+        return sum(sizes[1:])
     return RING_FACTOR.get(call["op"], 1) * max(sizes)
 
 
@@ -313,7 +333,7 @@ def stage_problems(job, workdir, script, expected, stage):
     problems = averaging or weights_problems(weights, plugin_rows, expected, stage)
     problems += state_problems(steps, expected, stage)
     if stage == 2:
-        problems += gradient_problems(plugin_rows, expected, stage)
+        problems += gradient_problems(plugin_rows, expected, stage, script)
     return problems + communication_problems(collectives, expected, script, stage)
 
 
@@ -347,7 +367,7 @@ def check(script, workdir, say):
         say(f"computing the reference: AdamW in one process on the whole global batch, {STEPS} steps")
         expected = reference()
         for folder, job in jobs.values():
-            job.wait(timeout=120)
+            job.wait(timeout=JOB_LIMIT_S)
     finally:
         for folder, job in jobs.values():
             job.stop()

@@ -3,11 +3,16 @@ the same model.
 
 JOB_RECORD_PLUGINS=zero_by_hand writes zero_by_hand.jsonl, a JSON line per optimizer step of each process, as the step
 begins: pid, rank, restart, `step` (the optimizer steps this process had taken before this one), and
-  - `held_grads`: the bytes of the gradients the rank holds then: the .grad of each parameter of every nn.Module the
-    process made (the model's) and of each tensor the optimizer steps (a shard of the flat parameters), as the memory
-    they keep alive: a .grad that is a view of a larger tensor (a slice of a whole flat gradient) holds all of its
-    storage. Each storage counted once. A flat gradient kept in a variable of the script's, on no tensor's .grad, is
-    not seen.
+  - `held_grads`: the bytes of the gradients the rank holds then, wherever they are held: the .grad of each parameter
+    of every nn.Module the process made (the model's) and of each tensor the optimizer steps (a shard of the flat
+    parameters); every tensor that was a parameter's .grad when the step's backward ended and is still alive (set to
+    None on the parameter, but kept by a list or a variable); and, with JOB_RECORD_COLLECTIVES, every tensor given to
+    a reduce-scatter or an all-reduce since that backward began (the flat gradient, its shard of the sum) that is still
+    alive (an attribute, a local variable of the function that steps). As the memory they keep alive: a tensor that is
+    a view of a larger one (a slice of a whole flat gradient) holds all of its storage; each storage counted once; the
+    parameters' own storages and the optimizer's state are not gradients. `holders`: what holds them, the largest
+    first, each {"bytes", "what"} ("grad": a .grad; "backward": a gradient of the backward, off its parameter now;
+    "collective": given to a collective, with its `op` and `caller`).
   - `stepped_grad_square`: the sum of the squares of the gradients of the tensors the optimizer steps (float64): over
     the ranks, the squared norm of the gradient the ranks stepped with (an average over the ranks, or a sum).
   - `params`: a digest of the model's parameters (every nn.Module's, in the order they were made): equal on every rank
@@ -30,6 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 _parameters = []  # weak references to every parameter an nn.Module registered, in order
 _steps = [0]
+_backward = dict(grads=[], sequence=0)  # the gradients the last backward left (weakly), the collectives before it
 FLAT_LIMIT = 10_000
 _register_parameter = nn.Module.register_parameter
 
@@ -50,12 +56,52 @@ def _unique(tensors):
     return list(seen.values())
 
 
+_tensor_backward = torch.Tensor.backward
+
+
+def _noting_backward(self, *args, **kwargs):
+    sequence = sitecustomize._sequence[0] if sitecustomize.RECORD_COLLECTIVES else 0
+    result = _tensor_backward(self, *args, **kwargs)
+    _backward["sequence"] = sequence
+    _backward["grads"] = [weakref.ref(p.grad) for p in (ref() for ref in _parameters)
+                          if p is not None and p.grad is not None]
+    return result
+
+
+torch.Tensor.backward = _noting_backward
+
+
+def _storage(tensor):
+    return tensor.untyped_storage().data_ptr()
+
+
+def _held_gradients(model, stepped, optimizer):
+    """[{"bytes", "what", ...}] of the storages that hold gradients as this step begins, each once, the largest first
+    (see `held_grads` above)."""
+    kept = {_storage(p) for p in model + stepped}
+    kept |= {_storage(value) for state in optimizer.state.values() for value in state.values()
+             if isinstance(value, torch.Tensor)}
+    found = [(p.grad, dict(what="grad")) for p in model + stepped if p.grad is not None]
+    found += [(grad, dict(what="backward")) for grad in (ref() for ref in _backward["grads"]) if grad is not None]
+    if sitecustomize.RECORD_COLLECTIVES:
+        found += [(tensor, dict(what="collective", op=op, caller=caller))
+                  for tensor, sequence, op, caller in ((ref(), sequence, op, caller)
+                                                       for ref, sequence, _, op, caller in sitecustomize._given)
+                  if tensor is not None and sequence > _backward["sequence"]
+                  and op in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter")]
+    held = {}
+    for tensor, what in found:
+        storage = _storage(tensor)
+        if storage not in kept and storage not in held:
+            held[storage] = dict(bytes=tensor.untyped_storage().nbytes(), **what)
+    return sorted(held.values(), key=lambda row: -row["bytes"])
+
+
 def _noting_step(optimizer, args, kwargs):
     model = _unique(p for p in (ref() for ref in _parameters) if p is not None)
     stepped = _unique(p for group in optimizer.param_groups for p in group["params"])
-    storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
-                for p in _unique(model + stepped) if p.grad is not None}
-    held = sum(storages.values())
+    holders = _held_gradients(model, stepped, optimizer)
+    held = sum(row["bytes"] for row in holders)
     square = sum(float(p.grad.detach().double().pow(2).sum()) for p in stepped if p.grad is not None)
     digest = hashlib.sha1()
     for p in model:
@@ -65,7 +111,7 @@ def _noting_step(optimizer, args, kwargs):
             else None)
     sitecustomize._append("zero_by_hand.jsonl", json.dumps(dict(
         pid=os.getpid(), rank=sitecustomize._rank(), restart=sitecustomize._restart(), step=_steps[0],
-        held_grads=held, stepped_grad_square=square, params=digest.hexdigest()[:16], flat=flat)))
+        held_grads=held, holders=holders, stepped_grad_square=square, params=digest.hexdigest()[:16], flat=flat)))
     _steps[0] += 1
 
 
