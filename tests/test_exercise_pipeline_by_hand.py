@@ -8,7 +8,7 @@ import torch
 from exercises.inside.pipeline_by_hand import (MICROBATCHES, expected_order, gradient_problems, hang_problems,
                                                memory_problems, merged, order_problems, passes_of, unseen_problems,
                                                wait_problems, weight_problems)
-from mistakes import exercise_problems, seeded
+from mistakes import exercise_problems, seeded, written
 from tools.jobs import REPO
 
 SOLUTION, START = "exercises/10_pipeline_by_hand/solution.py", "exercises/10_pipeline_by_hand/start.py"
@@ -262,3 +262,17 @@ def test_a_warm_up_on_the_wrong_end_of_the_pipeline_deadlocks_and_the_checker_sa
                      r"\).*; rank 1 waited for an irecv from rank 0 at line \d+ \(in forward: .*A deadlock: each rank "
                      r"waits to receive", problems), problems
     assert "--schedule gpipe" not in problems, problems
+
+
+# Programs learners wrote from the starting file (tests/independent/): a right one in another style passes (its loss
+# divided by M inside loss_fn, its schedules lists of actions); a loss divided by M twice gets its verdict.
+@pytest.mark.slow
+@pytest.mark.parametrize("part, verdict", [
+    ("pipeline_by_hand_actions.py", ""),
+    ("pipeline_by_hand_divided_twice.py", "with --schedule gpipe and with --schedule 1f1b, the first step's gradients "
+     "are 0.25 times one process's on every stage (1/M, M = 4): each micro-batch's loss was divided by M twice"),
+], ids=["right: loss_fn divides by M, a loop of actions", "divided by M twice"])
+def test_a_program_written_independently_gets_the_verdict_of_its_mistake(part, verdict, tmp_path):
+    problems = checked(written(tmp_path, "exercises/10_pipeline_by_hand/start.py", part), tmp_path)
+    assert problems.startswith(verdict) and "\n" not in problems, problems
+    assert bool(problems) == bool(verdict), problems
