@@ -191,6 +191,24 @@ def test_right_outputs_and_gradients_get_no_verdict():
     assert value_problems(rounds, references) == []
 
 
+def test_right_results_rounded_another_way_get_no_verdict():
+    """The same layer computed in float64, then rounded to float32: what a right dispatch's other summation order
+    gives, off the whole layer's by float32's rounding of values as large as the row's largest."""
+    rounds, references = [], []
+    for seed, top_k in enumerate([1, 2]):
+        saved, reference = made_up_round(top_k, seed)
+        wider = whole_layer([dict(own, tokens=own["tokens"].double(), probe=own["probe"].double(),
+                                  weights={name: w.double() for name, w in own["weights"].items()}) for own in saved])
+        for rank, own in enumerate(saved):
+            own.update(output=wider["outputs"][rank].float(), tokens_grad=wider["tokens_grads"][rank].float(),
+                       grads={name: (wider["grads"][name] / 2 if name == "router.weight" else
+                                     wider["grads"][name]).float() for name in own["weights"]})
+        assert any(not torch.equal(own["output"], reference["outputs"][rank]) for rank, own in enumerate(saved))
+        rounds.append(saved)
+        references.append(reference)
+    assert value_problems(rounds, references) == []
+
+
 def test_the_right_results_in_the_wrong_rows_are_told_from_wrong_results():
     saved, reference = made_up_round(top_k=1)
     saved[1]["output"] = saved[1]["output"][[1, 0, 2, 3, 4, 5]]
