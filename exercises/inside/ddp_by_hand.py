@@ -193,11 +193,11 @@ def bucket_problem(rank, step, calls, expected):
         return (f"rank {rank} made one all-reduce for all the gradients in step {step}, whatever --bucket_mb says: "
                 f"{filled}. Send a bucket as soon as it is full, while backward computes the rest")
     if sorted(sent) == sorted(expected["in_order"]):
-        last = max(expected["in_order"], key=lambda size: (expected["in_order"].index(size) == 0, size))
         return (f"rank {rank}'s all-reduces of step {step} carried {sizes(sent)} bytes, in the order sent: buckets "
                 f"filled in model.parameters() order ({expected['first']} first), where backward hands the gradients "
                 "over from the last layer to the first. The bucket with the first layer's gradients "
-                f"({last:,} bytes) can leave only once backward has computed its last gradient, so it overlaps "
+                f"({expected['in_order'][0]:,} bytes) can leave only once backward has computed its last gradient, so "
+                "it overlaps "
                 f"nothing. {filled[0].upper()}{filled[1:]}: fill the bucket as the hooks fire, in the order they "
                 "fire")
     return (f"rank {rank}'s all-reduces of step {step} carried {sizes(sent)} bytes, in the order sent, but {filled}")
