@@ -273,14 +273,17 @@ def test_a_flat_vector_not_padded_is_named_when_it_crashes(tmp_path):
 
 
 # Programs learners wrote from the starting file (tests/independent/): a right one with the list forms of the
-# collectives passes; a flat gradient kept in a buffer of the optimizer's is gradient memory held at the step.
+# collectives passes; the gradient all-reduced into a buffer the optimizer keeps is traffic of 3 Psi and, in ZeRO-2,
+# gradient memory held at the step.
 @pytest.mark.slow
 @pytest.mark.parametrize("part, verdicts", [
     ("zero_by_hand_chunks.py", []),
-    ("zero_by_hand_kept_buffer.py", [r"with --stage 2, ranks 0 and 1 each held 2,040 bytes of gradients as they "
-                                     r"stepped \(.*: 1,360 given to reduce_scatter_\w+ at line \d+ \(in step: "
-                                     r"`REDUCE_SCATTER\(gradient, self\.flat_grad\)`\), still held"]),
-], ids=["right: list forms, chunks", "a flat gradient kept"])
+    ("zero_by_hand_all_reduced_buffer.py", [
+        r"with --stage 1 and with --stage 2, rank \d moved 2,04\d bytes a step \(1\.50 Psi.* Here: all_reduce at line "
+        r"\d+ \(in step: `dist\.all_reduce\(self\.flat_grad\)`\)",
+        r"with --stage 2, ranks 0 and 1 each held 2,040 bytes of gradients as they stepped \(.*: 1,360 given to "
+        r"all_reduce at line \d+ \(in step: `dist\.all_reduce\(self\.flat_grad\)`\), still held"]),
+], ids=["right: list forms, chunks", "all-reduced into a buffer kept"])
 def test_a_program_written_independently_gets_the_verdicts_of_its_mistakes(part, verdicts, tmp_path):
     problems = checked(written(tmp_path, "exercises/8_zero_by_hand/start.py", part), tmp_path)
     assert len(problems) == len(verdicts), problems

@@ -1,6 +1,8 @@
-"""Exercise 8, wrong: ZeRO-2 frees every parameter's .grad, but the flat gradient lives on in a buffer the optimizer
-keeps for the next step (self.flat_grad, filled in place each step): every rank holds the whole gradient as it steps,
-the memory ZeRO-2 is there to save. The weights, the optimizer state and the traffic are right."""
+"""Exercise 8, wrong twice over, as ZeRO-1 is often first written: the whole flat gradient is all-reduced (3 Psi a
+step with the all-gather, where a reduce-scatter makes it 2 Psi), into a buffer the optimizer keeps for the next step
+(self.flat_grad, filled in place each step). ZeRO-2 then frees every parameter's .grad and gives the shard a gradient
+of its own, but the buffer still holds the whole gradient as each rank steps. The weights and the optimizer state are
+right."""
 
 
 class ShardedAdamW:
@@ -24,10 +26,8 @@ class ShardedAdamW:
 
     def step(self):
         torch.cat([p.grad.reshape(-1) for p in self.params], out=self.flat_grad[:self.numel])
-        gradient = torch.empty(self.shard_size)
-        REDUCE_SCATTER(gradient, self.flat_grad)
-        gradient /= self.world_size
-        self.shard.grad = gradient
+        dist.all_reduce(self.flat_grad)
+        self.shard.grad = self.flat_grad[self.start:self.start + self.shard_size] / self.world_size
         if self.stage == 2:
             for p in self.params:
                 p.grad = None
