@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))  # run as `python exercises/check.py` from anywher
 import torch  # noqa: E402
 
 from exercises.judging import (COLLECTIVE_TIMEOUT_S, LOSS_TOLERANCE, WORLD_SIZE, exit_problems, lines_in,  # noqa: E402
-                               listed, ranks_of)
+                               listed, one_thread, ranks_of)
 from tools.jobs import PYTHON, free_port, run, saved_name, shown, torchrun, torchrun_node  # noqa: E402
 from tools.jobs.output import epoch_losses  # noqa: E402
 from utils import make_workload  # noqa: E402
@@ -707,7 +707,8 @@ CHECKS = {1: check_ddp, 2: check_resume, 3: check_two_nodes, 4: check_grad_accum
 
 def check(number, script, workdir, say=lambda line: None):
     """Run exercise `number`'s checks on `script` in the empty directory `workdir`; return the problems found."""
-    return CHECKS[number](Path(script).resolve(), Path(workdir), say)
+    with one_thread():
+        return CHECKS[number](Path(script).resolve(), Path(workdir), say)
 
 
 def main():

@@ -1,5 +1,6 @@
 """What every exercise's checker shares: the learner's lines as their editor shows them, and a job's end (a hang, a
 crash) said in the learner's terms, without what gloo and torchrun print around it."""
+import contextlib
 import importlib.util
 import linecache
 import re
@@ -86,3 +87,18 @@ def script_module(path, name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch's work in this process (a reference trained here) on one thread, as the jobs' processes compute: on two
+    cores that the jobs and other work share, two threads that wait for each other made a reference of exercise 7
+    take 57 s instead of 3 (at load 21), and they sum in another order than the jobs."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -64,13 +64,15 @@ changed; without the variables nothing happens.
   time the Work of an asynchronous call (`seq`) was waited on, by its own wait() or by a wait on its future or on a
   future chained to it (`began`, `ended`, `via` "work" or "future", `again`: it had been waited on before, `caller`,
   and `written`: the program wrote into the tensor of an asynchronous all_reduce between the call and this first
-  wait; such an all_reduce runs on a copy of the tensor, copied back at that wait: see _NotedWork); "backward", each
+  wait, seen with the plugin ddp_by_hand, which runs such an all_reduce on a copy of the tensor, copied back at that
+  wait: see _NotedWork); "backward", each
   Tensor.backward's `began` and `ended`, and `ready`, [time, bytes] of each gradient it accumulated into a parameter
   (a hook of the recorder's on every parameter a module registered, run before the program's own); "step" as an
   optimizer step begins (`params` and `grads`: the bytes of the parameters it updates and of their gradients, and
-  `held`: the tensors given to collectives still alive then, each storage once, the model's parameters and the
-  optimizer's state left out, as {"seq", "step", "op", "caller", "bytes"} of the first call each was given to) and
-  "stepped" as it ends (`state`: the bytes of its state tensors, AdamW's moments).
+  `held`, with the plugin ddp_by_hand: the tensors given to collectives still alive then, each storage once, the
+  model's parameters and the optimizer's state left out, as {"seq", "step", "op", "caller", "bytes"} of the first
+  call each was given to; None without it) and "stepped" as it ends (`state`: the bytes of its state tensors,
+  AdamW's moments).
 - JOB_RECORD_PLUGINS=`NAME,...` (with JOB_RECORD_DIR): import recorder/plugins/NAME.py too: what one exercise of
   the workshop records beyond the above (each plugin's docstring says what).
 - JOB_SLOW_SAVE=`SECONDS` (with or without JOB_RECORD_DIR): every torch.save to a file takes that much longer: it
@@ -608,6 +610,10 @@ if RECORD_COLLECTIVES:
     _COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
                     "broadcast", "all_to_all_single", "all_to_all", "isend", "irecv", "send", "recv", "barrier",
                     "reduce", "gather", "scatter")
+    # Two measurements that cost time a benchmark of the same job would see, switched on by the plugin of the exercise
+    # that needs them (plugins/ddp_by_hand.py): an asynchronous all_reduce run on a copy of its tensor (_NotedWork),
+    # and the collectives' tensors still alive listed at each step (`held`).
+    _OPTIONS = dict(copy_in_flight=False, note_held=False)
     _ready = []  # [time, bytes] of each gradient the backward under way has accumulated, in order
     _given = []  # (weak reference to a tensor given to a collective (its base, for a view), seq, step, op, caller)
     _parameters = []  # weak references to every parameter a module registered: their memory is the model's
@@ -633,12 +639,13 @@ if RECORD_COLLECTIVES:
     class _NotedWork:
         """The Work an asynchronous collective returns, its waits noted (when each was called and when it returned).
 
-        An asynchronous all_reduce runs on a copy of the tensor it was given, which this Work copies back into the
-        tensor at the first wait (Work.wait(), or a wait on its future or on a future chained to it): what the
-        program wrote into the tensor between the call and that wait is seen exactly, by comparing the tensor with
-        what it held at the call (`written` in the wait's line), however fast gloo was; and a tensor never waited for
-        never receives the sum. Gloo itself writes the sum into the tensor at some moment in between, so a program
-        that writes there before its wait computes what its timing decides: the check makes it one thing."""
+        With the plugin ddp_by_hand, an asynchronous all_reduce runs on a copy of the tensor it was given, which this
+        Work copies back into the tensor at the first wait (Work.wait(), or a wait on its future or on a future
+        chained to it): what the program wrote into the tensor between the call and that wait is seen exactly, by
+        comparing the tensor with what it held at the call (`written` in the wait's line), however fast gloo was;
+        and a tensor never waited for never receives the sum. Gloo itself writes the sum into the tensor at some
+        moment in between, so a program that writes there before its wait computes what its timing decides: the
+        check makes it one thing."""
 
         def __init__(self, work, sequence, tensor=None, copy=None, before=None):
             self._work, self._sequence = work, sequence
@@ -752,7 +759,7 @@ if RECORD_COLLECTIVES:
                 _given.append((weakref.ref(base), sequence, _optimizer_steps[0], name, caller))
             tensor, copy = None, None
             asynchronous = kwargs.get("async_op", len(args) > 3 and name == "all_reduce" and args[3])
-            if name == "all_reduce" and asynchronous and tensors and isinstance(tensors[0], torch.Tensor):
+            if _OPTIONS["copy_in_flight"] and name == "all_reduce" and asynchronous and tensors:
                 tensor = tensors[0]
                 copy = tensor.detach().clone()
                 args, kwargs = ((copy, *args[1:]), kwargs) if args else ((), dict(kwargs, tensor=copy))
@@ -845,7 +852,7 @@ if RECORD_COLLECTIVES:
               params=sum(p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"]),
               grads=sum(p.grad.numel() * p.grad.element_size() for group in optimizer.param_groups
                         for p in group["params"] if p.grad is not None),
-              held=_held(optimizer))
+              held=_held(optimizer) if _OPTIONS["note_held"] else None)
 
     def _noting_step_ended(optimizer, args, kwargs):
         _note(event="stepped", step=_optimizer_steps[0], ended=time.time(), state=_state_bytes(optimizer))
