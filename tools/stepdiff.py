@@ -1,11 +1,12 @@
 """The diffs between consecutive step scripts, generated from the files, and the doc blocks that show them.
 
-    python tools/stepdiff.py            # check: exit 1 if a diff in README.md or docs/*.md is stale
-    python tools/stepdiff.py --write    # regenerate every diff block of README.md and docs/*.md from the scripts
+    python tools/stepdiff.py            # check: exit 1 if a diff in README.md or docs/ is stale
+    python tools/stepdiff.py --write    # regenerate every diff block of README.md and docs/ from the scripts
 
-A page marks each generated block with `<!-- diff OLD NEW -->` ... `<!-- end diff -->`; everything between the
-two markers is replaced by a ```diff fence holding `diff -u`-style output of OLD -> NEW. Any page may hold any
-pair's block; the tests want every step shown against the one it builds on (`pairs()`).
+The full diffs live on the steps' reference pages (docs/reference/*.md). A page marks each generated block with
+`<!-- diff OLD NEW -->` ... `<!-- end diff -->`; everything between the two markers is replaced by a ```diff fence
+holding `diff -u`-style output of OLD -> NEW. Any page may hold any pair's block; the tests want every step shown
+against the one it builds on (`pairs()`).
 """
 import argparse
 import difflib
@@ -168,8 +169,9 @@ def render(text):
 
 
 def pages():
-    """The pages that may hold diff blocks: README.md, then docs/*.md."""
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    """The pages that may hold diff blocks: README.md, docs/*.md, then the steps' reference pages (docs/reference/)."""
+    docs = REPO / "docs"
+    return [REPO / "README.md", *sorted(docs.glob("*.md")), *sorted((docs / "reference").glob("*.md"))]
 
 
 def shown_pairs():
