@@ -1,7 +1,7 @@
 """The pictures of the steps' pages, each drawn from a real run of the step: the run goes through tools/jobs, as a
 test's does, and what it printed, recorded or saved is drawn with matplotlib into docs/figures/<page>.png.
 
-    python tools/figures.py                      # every figure (a few minutes on 2 cores)
+    python tools/figures.py                      # every figure: one or two short jobs of each step
     python tools/figures.py tensor-parallel      # one of them: docs/figures/tensor-parallel.png
     python tools/figures.py --list               # the figures, and the run each is drawn from
 
@@ -9,7 +9,8 @@ Each figure is named by the page that shows it (docs/fsdp.md shows figures/fsdp.
 it was drawn from and how busy the machine was. What is drawn comes from the run only: who holds which block of a
 weight is read from the run's sharded snapshot (its .metadata names the file, one per rank, that holds each block),
 the pipeline's passes and the routers' choices from the job runner's recorder (tools/jobs/recorder), the ring's sends
-from its record of every collective, the memory from the tables `--verbose` prints.
+from its record of every collective, the memory from the tables `--verbose` prints. All seven took 33 minutes on a
+shared 2-core machine at load 20 to 40 (the expert-parallel one, an epoch of the help pages, the longest: 8 minutes).
 """
 import argparse
 import re
@@ -236,7 +237,7 @@ def tensor_parallel(work):
     held = blocks_held(job.cwd / "tp_snapshot")
 
     plt = pyplot()
-    figure = plt.figure(figsize=(12, 6.4))
+    figure = plt.figure(figsize=(12, 7.2))
     grid = figure.add_gridspec(2, 4, width_ratios=[1.2, 1, 1, 0.6])
     draw_mesh_2d(figure.add_subplot(grid[0, 0]), mesh, ("dp", "tp"))
     note = figure.add_subplot(grid[1, 0])
@@ -509,10 +510,13 @@ def draw(name, folder=FOLDER, work=None):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("names", nargs="*", choices=[[], *FIGURES], metavar="NAME", help=f"of {', '.join(FIGURES)}")
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"the figures to draw, of {', '.join(FIGURES)} (all)")
     parser.add_argument("--list", action="store_true", help="list the figures and what each is drawn from")
     parser.add_argument("--out", default=str(FOLDER), help="the folder of the PNGs (default docs/figures)")
     args = parser.parse_args()
+    unknown = [name for name in args.names if name not in FIGURES]
+    if unknown:
+        parser.error(f"no figure named {', '.join(unknown)}: choose from {', '.join(FIGURES)}")
     if args.list:
         for name, function in FIGURES.items():
             print(f"{name}: {' '.join(function.__doc__.split())}")
