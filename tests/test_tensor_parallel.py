@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from expect import assert_bitwise_equal, sharded_snapshot, stopped_as_rank_0
+from tools import figures
 from tools.jobs import free_port, output, run, torchrun, torchrun_node
 from utils import evaluate, make_workload, require_written_by
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, CausalSelfAttention
@@ -197,6 +198,25 @@ def test_verbose_shows_each_rank_holding_half_of_every_split_matrix_and_a_quarte
     full = sum(p.numel() * 4 for p in built(text).model.parameters()) / 2**20
     for row in output.memory_tables(two_d.output)["end"]:  # the blocks: a quarter each; embedding, head: a half
         assert full / 4 < row["params MiB"] < full / 3, (row, full)
+
+
+@pytest.mark.slow
+def test_the_pages_figure_is_drawn_from_this_job_with_each_ranks_block_of_every_matrix(two_d, tmp_path):
+    """docs/tensor-parallel.md's figure (`python tools/figures.py tensor-parallel`) runs the very job of the tests
+    above (in a test session the same shared run: drawing it costs a second) and draws what the job's snapshot says
+    each rank holds: the tp slice (rows for q and fc, columns for proj), then FSDP's half of it over dp."""
+    facts = figures.draw("tensor-parallel", tmp_path, work=tmp_path / "work")
+    assert (tmp_path / "tensor-parallel.png").stat().st_size > 20_000
+    assert facts["mesh"] == {rank: {"dp": rank // 2, "tp": rank % 2} for rank in range(4)}
+    for matrix, (shape, pieces) in facts["held"].items():
+        by_rows = matrix.split(".")[1] in ("q", "fc")
+        slice_shape = (shape[0] // 2, shape[1]) if by_rows else (shape[0], shape[1] // 2)
+        for rank, offsets, sizes in pieces:
+            dp, tp = rank // 2, rank % 2
+            tp_offset = (tp * slice_shape[0], 0) if by_rows else (0, tp * slice_shape[1])
+            assert sizes == (slice_shape[0] // 2, slice_shape[1]), (matrix, rank)
+            assert offsets == (tp_offset[0] + dp * sizes[0], tp_offset[1]), (matrix, rank)
+        assert sorted(rank for rank, _, _ in pieces) == [0, 1, 2, 3], matrix
 
 
 @pytest.mark.slow
