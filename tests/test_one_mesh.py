@@ -28,7 +28,8 @@ from tools.jobs import free_port, output, run, shared_file, spawned_result, star
 from tools.memory_plan import Layout, check, compare, config_of
 from tools.one_process import train_gpt
 from tools.seed_checkpoint import seed_checkpoint_beside
-from utils import SEED, load_seed_checkpoint, make_workload
+from utils import SEED, make_workload
+from utils.snapshot_reader import load_seed_checkpoint
 from utils.gpt import help_pages
 from utils.metrics import RUN_DIR_VARIABLE
 
