@@ -82,7 +82,7 @@ class Trainer:
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
-            reader = SnapshotReader(self.snapshot_path)  # .metadata read once, checked to be DCP's records: no code
+            reader = SnapshotReader(self.snapshot_path)  # read once, as data only: a planted folder runs no code
             require_written_by("expert_parallel.py", self.snapshot_path, reader)
             # Each rank reads its own experts and the rest, by their names, from a snapshot of any --ep: DCP fills
             # the tensors of the dict below in place.

@@ -117,7 +117,7 @@ class Trainer:
 
     def _load_snapshot(self, path):
         with stop_if_unloadable(path):
-            reader = SnapshotReader(path)  # .metadata read once, checked to be DCP's records: no code
+            reader = SnapshotReader(path)  # read once, as data only: a planted folder runs no code
             require_written_by("long_run.py", path, reader)
             # Each rank reads its own shards of its own layers, by their names: from a snapshot of any mesh.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=BY_NAME)

@@ -113,6 +113,15 @@ def write_empty(path):
     path.write_bytes(b"")  # what a full disk or a crash in the middle of a copy can leave
 
 
+def write_torchscript(path):
+    """A TorchScript archive (a saved program) as the snapshot: torch.load's refusal advises weights_only=False."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated: a stranger's file may still be one
+        torch.jit.save(torch.jit.script(nn.Linear(3, 2)), path)
+
+
 def test_the_line_for_an_unreadable_snapshot_says_what_is_wrong_not_to_load_it_unsafely(tmp_path):
     """torch.load's own message for a file that is not tensors and plain containers advises weights_only=False; the
     step's line says what the file is instead (the cause the unpickler found)."""
@@ -146,11 +155,14 @@ def test_a_sharded_snapshot_of_another_model_is_told_by_what_it_lacks_or_holds_i
 
 
 @pytest.mark.parametrize("write_snapshot", [write_garbage, write_other_models_snapshot, write_single_device_checkpoint,
-                                            write_empty],
-                         ids=["garbage bytes", "another model", "single-device checkpoint", "empty file"])
+                                            write_empty, write_torchscript],
+                         ids=["garbage bytes", "another model", "single-device checkpoint", "empty file", "TorchScript"])
 def test_a_snapshot_that_cannot_be_resumed_stops_with_one_line_that_names_it_and_its_cause(tmp_path, write_snapshot):
     """multigpu_torchrun.py's _load_snapshot, in this process, on each kind of file that is no snapshot of this model:
-    one line naming the file and the cause (the test below runs a real job on one of them)."""
+    one line naming the file and the cause, never torch's advice to load it with weights_only=False, and no warning
+    beside it (the test below runs a real job on one of them)."""
+    import warnings
+
     import multigpu_torchrun
 
     path = tmp_path / SNAPSHOT
@@ -159,12 +171,17 @@ def test_a_snapshot_that_cannot_be_resumed_stops_with_one_line_that_names_it_and
     trainer = multigpu_torchrun.Trainer.__new__(multigpu_torchrun.Trainer)  # no __init__: it needs a process group
     trainer.model, trainer.optimizer, trainer.device = workload.model, workload.optimizer, torch.device("cpu")
     trainer.snapshot_path, trainer.tag = str(path), "[rank 0/1 | cpu]"
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(SystemExit) as stop, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
         trainer._load_snapshot()
     assert re.fullmatch(rf"error: cannot resume from \S*{SNAPSHOT} \(\w+: [^\n]*\); it is left in place: move it away "
                         r"to start anew", str(stop.value)), stop.value
+    assert "weights_only" not in str(stop.value) and not warned, (stop.value, [str(w.message) for w in warned])
     if write_snapshot is write_empty:
         assert "(EOFError: the file ends too early (empty, or cut short))" in str(stop.value)
+    if write_snapshot is write_torchscript:
+        assert "(RuntimeError: not a file of tensors torch.load can read safely (a TorchScript archive: a saved " \
+               "program, not a snapshot))" in str(stop.value)
 
 
 @pytest.mark.slow

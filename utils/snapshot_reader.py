@@ -120,10 +120,6 @@ def _single_file_step(path):
 def read_metadata_once(folder):
     """The Metadata record of the snapshot in `folder`, read from its `.metadata` as data only and checked to be DCP's
     record of the types DCP writes; UnusableSnapshot, in words, for anything else."""
-    others = sorted(name for name in os.listdir(folder) if name.startswith("__") and name.endswith(".metadata"))
-    if others:
-        raise UnusableSnapshot(f"it holds {others[0]}, a file of metadata that no step writes (DCP reads one in place "
-                               "of .metadata that fails): it is not a snapshot of the steps, or something was planted")
     if not os.path.isfile(os.path.join(folder, ".metadata")):
         raise UnusableSnapshot("the folder holds no .metadata, the file a sharded save writes last: it is not a "
                                "snapshot, or its save was cut short")
@@ -140,6 +136,11 @@ def read_metadata_once(folder):
         raise UnusableSnapshot(f"its .metadata is not a sharded snapshot's ({type(error).__name__}"
                                f"{': ' + message if message else ''})") from None
     require_dcp_records(metadata)
+    # Never read here, but a sign: the steps save with every rank together, which writes .metadata alone.
+    others = sorted(name for name in os.listdir(folder) if name.startswith("__") and name.endswith(".metadata"))
+    if others:
+        raise UnusableSnapshot(f"it holds {others[0]}, a file of metadata that no step writes (DCP reads one in place "
+                               "of .metadata that fails): it is not a snapshot of the steps, or something was planted")
     return metadata
 
 
