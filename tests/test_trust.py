@@ -4,8 +4,10 @@ torch.distributed has no authentication: whoever reaches a job's ports can join 
 These tests run the laptop's command of step 3 (`torchrun --standalone`, 2 ranks) and show what listens where, then
 send it what a stranger on the network could: bytes that are no protocol, connections held open, and the store's own
 protocol setting its keys. The job trains on to the same end as an undisturbed one, or ends within its --timeout
-with nothing left running and no traceback of the workers. (What a snapshot from someone else may run:
-tests/test_fault_tolerance.py; the pickles the steps no longer send: tests/test_steps.py.)
+with nothing left running and no traceback of the workers; but a stranger on another host who writes a pickle under
+the rendezvous's key runs its code in torchrun, and the job never notices. And a planted sharded snapshot of every
+kind, found by a real step, stops it with one line, its code never run. (What a single-file snapshot from someone
+else may run: tests/test_fault_tolerance.py; the pickles the steps no longer send: tests/test_steps.py.)
 """
 import collections
 import os
@@ -109,10 +111,10 @@ def test_a_stranger_speaking_the_store_s_protocol_ends_the_job_within_the_timeou
 # --- A planted sharded snapshot: each kind through a real step -------------------------------------------------------
 #
 # torch's DCP reads a folder's .metadata with pickle.load; where that read fails or gives something empty, it reads
-# `__<rank>.metadata` instead (torch 2.9 and later), with pickle.load again. The steps read a sharded snapshot through
-# utils.snapshot_reader.SnapshotReader, once: each folder below is one that a stranger could leave where a step looks
-# for its snapshot (or its seed checkpoint). Each stops the step with one line on every rank, the code it holds never
-# run (it would create the marker file), and no rank dies of a signal.
+# `__<rank>.metadata` instead (2.14.1; 2.6 does not), with pickle.load again. The steps read a sharded snapshot
+# through utils.snapshot_reader.SnapshotReader, once: each folder below is one that a stranger could leave where a
+# step looks for its snapshot (or its seed checkpoint). Each stops the step with one line on every rank, the code it
+# holds never run (it would create the marker file), and no rank dies of a signal.
 
 class Planted:
     """A stranger's pickle: unpickled, it calls builtins.exec, which creates the file `marker` (any code would run)."""

@@ -2,10 +2,10 @@
 
 torch's own reader (DCP's FileSystemReader) unpickles a folder's `.metadata` with `pickle.load`, which calls whatever
 functions its bytes name, and each value that is no tensor (the step, the epochs, the schedule's state) with
-`torch.load(weights_only=False)`, which does the same; where `.metadata` fails to read or reads as something empty, DCP
-(torch 2.9 and later) reads a `__<rank>.metadata` beside it instead, with `pickle.load` again. SnapshotReader is the
-reader DCP loads through instead (`dcp.load(state, storage_reader=reader)`): it reads `.metadata` once, when it is
-made, through an unpickler that builds DCP's records and nothing else, checks that what it built is DCP's Metadata
+`torch.load(weights_only=False)`, which does the same; where `.metadata` fails to read or reads as something empty,
+DCP (2.14.1; 2.6 does not) reads a `__<rank>.metadata` beside it instead, with `pickle.load` again. SnapshotReader
+is the reader DCP loads through instead (`dcp.load(state, storage_reader=reader)`): it reads `.metadata` once, when it
+is made, through an unpickler that builds DCP's records and nothing else, checks that what it built is DCP's Metadata
 record of the types DCP writes, and gives DCP that record and no other (it never reads a `__<rank>.metadata`); it
 reads every tensor and value with `torch.load(weights_only=True)`. Before anything is unpickled, its opcodes are read
 without running any (pickletools) to bound how deeply the objects it builds nest: a tuple nested two million deep used
@@ -65,7 +65,7 @@ class SnapshotReader(FileSystemReader):
 
     def read_metadata(self):
         # No **kwargs, on purpose: DCP asks a reader whose read_metadata takes them for a rank's own metadata
-        # (`__<rank>.metadata`, torch 2.9 and later) when the first answer is empty. This one has one answer.
+        # (`__<rank>.metadata`: torch 2.14.1, not 2.6) when the first answer is empty. This one has one answer.
         if self.metadata.storage_meta is None:
             self.metadata.storage_meta = StorageMeta()
         self.metadata.storage_meta.load_id = self.load_id
