@@ -470,7 +470,8 @@ def test_a_snapshot_of_another_text_of_the_same_characters_is_refused_with_one_l
     backwards = tmp_path / "backwards.txt"
     backwards.write_text(Path(text).read_text()[::-1])
     shutil.copytree(mesh8.cwd / SNAPSHOT, tmp_path / SNAPSHOT)
-    job = one_mesh(tmp_path, EPOCHS + 1, backwards, "--pp", 1, "--tp", 1, nproc=1, check=False)
+    job = one_mesh(tmp_path, EPOCHS + 1, backwards, "--pp", 1, "--tp", 1, "--microbatches", 2, nproc=1, batch_size=B,
+                   check=False)
     assert job.returncode not in (0, None), job.output[-3000:]
     assert re.fullmatch(rf"error: cannot resume from {SNAPSHOT} \(ValueError: it holds a GPT of another text "
                         rf"\({re.escape(Path(text).name)}, [\d,]+ characters\) than this run's \(backwards\.txt, "

@@ -277,12 +277,16 @@ import torch.distributed as dist
 host, port, marker = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 try:
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
-    for _ in range(600):  # until torchrun has written its state: a minute at most
+    for _ in range(600):  # until the rendezvous is complete (its workers started): a minute at most
         keys = [key for key in store.list_keys() if re.fullmatch(r"torch\.rendezvous\.[^.]+", key)]
-        if keys:
+        state = base64.b64decode(store.get(keys[0])) if keys else b""
+        if state and state != base64.b64decode("Y2FuaW1hZGFnZQ==") and not state.startswith(b"\x80"):
+            sys.exit("refused: the rendezvous's state is no pickle")  # (torch's placeholder for "none yet" aside)
+        if state.startswith(b"\x80") and pickle.loads(state).complete:  # torchrun's own pickle, read as torchrun does
             break
         time.sleep(0.1)
-    state = base64.b64decode(store.get(keys[0]))
+    else:
+        sys.exit("gave up: the rendezvous did not complete within a minute")
 except Exception as error:
     sys.exit(f"refused: {type(error).__name__}: {error}")
 
