@@ -21,6 +21,7 @@ from expect import assert_bitwise_equal, sharded_snapshot, stopped_as_rank_0
 from tools import figures
 from tools.jobs import free_port, output, run, torchrun, torchrun_node
 from utils import evaluate, make_workload, require_written_by
+from utils.snapshot_reader import SnapshotReader
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, CausalSelfAttention
 
 GLOBAL_BATCH = 8  # sequences per optimizer step, all dp ranks together
@@ -333,11 +334,11 @@ def test_a_snapshot_names_the_step_that_saved_it_and_another_steps_is_refused(tm
     for name, state in (("fsdp", dict(STEP="fsdp.py", EPOCHS_RUN=3)), ("older", dict(EPOCHS_RUN=1)),
                         ("own", dict(STEP="tensor_parallel.py", EPOCHS_RUN=2))):
         dcp.save(dict(MODEL_STATE={"w": torch.zeros(2)}, **state), checkpoint_id=tmp_path / name)
-    require_written_by("tensor_parallel.py", tmp_path / "own")
+    require_written_by("tensor_parallel.py", tmp_path / "own", SnapshotReader(tmp_path / "own"))
     for name, holds in (("fsdp", "fsdp.py's snapshot after 3 epochs"),
                         ("older", "a snapshot that names no step (an older one) after 1 epoch")):
         with pytest.raises(SystemExit) as stop:
-            require_written_by("tensor_parallel.py", tmp_path / name)
+            require_written_by("tensor_parallel.py", tmp_path / name, SnapshotReader(tmp_path / name))
         assert str(stop.value) == (f"error: {tmp_path / name} holds {holds}, not tensor_parallel.py's: give this run "
                                    f"its own --snapshot_path, or move {tmp_path / name} away to start anew; it is "
                                    "left in place")
