@@ -17,7 +17,7 @@ import utils
 import utils.loop
 from tools import stepdiff
 from tools.jobs import script
-from tools.shown_commands import parsed, shown_commands
+from tools.shown_commands import parsed, readme_gpu_column, shown_commands
 
 
 class Accepted(BaseException):
@@ -61,7 +61,8 @@ def run_until_it_starts(monkeypatch, tmp_path, command):
     raise AssertionError(f"{command}: ran to its end without starting its work")
 
 
-COMMANDS = shown_commands()
+# With the README's GPU column, whose short forms (`... --nproc_per_node=gpu ... --bf16`) complete to commands too.
+COMMANDS = list(dict.fromkeys(shown_commands() + readme_gpu_column()))
 
 
 def test_the_commands_are_found_in_every_page_that_shows_them():
@@ -80,6 +81,17 @@ def test_every_shown_command_is_accepted_on_the_machine_it_is_shown_for(monkeypa
     stop = run_until_it_starts(monkeypatch, tmp_path, command)
     assert stop is None, f"{where}: `{command}` stops: {stop} {capsys.readouterr().err.strip()[-300:]}"
     assert list(tmp_path.iterdir()) == [], "nothing may be written before the work starts"
+
+
+def test_the_readmes_gpu_column_completes_its_short_forms_from_the_cpu_column():
+    column = [command for _, command in readme_gpu_column()]
+    assert column[:4] == ["python single_gpu.py 50 10", "python multigpu.py 50 10",  # "same", and step 2's own
+                          "torchrun --standalone --nproc_per_node=gpu multigpu_torchrun.py 50 10",
+                          "torchrun --standalone --nproc_per_node=gpu fsdp.py 50 10 --bf16"]
+    assert column[-1] == ("torchrun --standalone --nproc_per_node=gpu fault_tolerant.py 50 10 --group 0 --groups 2 "
+                          "--lighthouse http://127.0.0.1:29510")
+    # every step of the table but step 4, whose CPU column shows no command (one torchrun per node, on its page)
+    assert sorted(parsed(command)[0] for command in column) == sorted(set(stepdiff.steps()) - {"multinode.py"})
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
