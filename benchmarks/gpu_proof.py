@@ -68,6 +68,7 @@ SETTING_UP = 30  # what is not a part: starting, importing torch, the GPU's name
 
 @dataclasses.dataclass(frozen=True)
 class Part:
+    """A part of the proof: its name (for --only), the wall time it may take, what it does (one line)."""
     name: str
     budget: int  # seconds of wall time, at most
     what: str
@@ -303,8 +304,10 @@ def part_tests(proof, deadline):
         # Without the project's addopts: pytest-xdist, pytest-timeout and nbval may be missing here.
         command = [PYTHON, "-m", "pytest", name, "-q", "-rA", "-o", "addopts=", "-p", "no:cacheprovider",
                    f"--junitxml={report}"]
+        # pytest-timeout, where there is one, fails the test a little before its process is stopped: its result and
+        # traceback are written then.
         if "pytest_timeout" not in proof.missing:
-            command.append(f"--timeout={TEST_CAP * proof.scale}")
+            command.append(f"--timeout={TEST_CAP * proof.scale - 10}")
 
         def read(job, report=report):
             return test_results(report) or {}

@@ -220,6 +220,28 @@ def test_a_part_over_its_budget_is_stopped_and_the_next_part_still_runs(tmp_path
     assert subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout == b""  # nothing left running
 
 
+@pytest.mark.slow
+def test_the_commands_and_tests_parts_run_their_jobs_and_read_their_results(tmp_path, monkeypatch):
+    """Here, without a GPU: the commands part with two runs, step 1 (its GPU command runs on the CPU where there is no
+    GPU) and step 7's tp 2 (left out on one GPU); the tests part with one test marked gpu, in a pytest process of its
+    own, without the project's addopts, which tests/conftest.py skips here: its JUnit file read."""
+    proof = gpu_proof.Proof("cuda", 1, tmp_path / "report", tmp_path / "work", missing=gpu_proof.missing_modules(),
+                            scale=gpu_proof.CPU_SCALE)
+    runs = {run.name: run for run in gpu_proof.RUNS}
+    monkeypatch.setattr(gpu_proof, "RUNS", [runs["step 1"], runs["step 7: tp 2"]])
+    deadline = gpu_proof.time.monotonic() + 240  # both parts, within pytest's 300 s
+    ran, left_out = gpu_proof.part_commands(proof, deadline)["jobs"][::-1]
+    assert left_out == dict(name="step 7: tp 2", status="left out", why="needs a multiple of 2 GPUs; this machine has 1",
+                            stands_for=["tensor_parallel.py --tp 2 --precision bf16"])
+    assert ran["status"] == "passed" and ran["command"] == "python single_gpu.py 2 1", ran
+    assert ran["stands_for"] == ["single_gpu.py"]
+    monkeypatch.setattr(gpu_proof, "gpu_tests", lambda: ["tests/test_gpu.py::test_single_gpu_trains_on_cuda"])
+    [test] = gpu_proof.part_tests(proof, deadline)["jobs"]
+    assert test["status"] == "skipped" and test["why"] == "needs CUDA: no GPU on this machine", test
+    assert test["command"].startswith("python -m pytest tests/test_gpu.py::test_single_gpu_trains_on_cuda -q -rA "
+                                      "-o addopts= -p no:cacheprovider --junitxml="), test
+
+
 # The proof bounds its CPU processes itself: its two parts' budgets, CPU_SCALE times a GPU's (on a busy 2-core machine
 # the wall time is several times the CPU time).
 MEASURING = sum(part.budget for part in gpu_proof.PARTS if part.name in ("gpt", "mesh")) * gpu_proof.CPU_SCALE
