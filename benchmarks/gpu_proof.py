@@ -226,7 +226,7 @@ def run_task(run, proof):
         settings["node_env"] = [{"CUDA_VISIBLE_DEVICES": share} for share in halves(proof.gpus, run.nodes)]
     else:
         commands = [torchrun(run.script, *arguments, nproc="gpu")]
-    return Task(run.name, commands, run.cap, settings, read=lambda job: dict(stands_for=stand_for(run)))
+    return Task(run.name, commands, run.cap, settings)
 
 
 def stand_for(run):
@@ -236,18 +236,22 @@ def stand_for(run):
 
 
 def part_commands(proof, deadline):
-    jobs, tasks = [], []
+    # In RUNS' order: a run left out where it stands, the others' results once they ran, PARALLEL at a time.
+    entries, tasks = [], []
     for run in RUNS:
         why = left_out(run, proof.gpus, proof.missing)
         if why is None and run.groups and not Path(lighthouse(0)[0]).exists():
             why = f"torchft's lighthouse is not beside this Python ({lighthouse(0)[0]})"
         if why:
-            jobs.append(dict(name=run.name, status="left out", why=why, stands_for=stand_for(run)))
-        elif any(value == "data/help-gpu" for value in run.options) and not prepare_data(proof, deadline, jobs):
-            jobs.append(dict(name=run.name, status="not run", why="its token files could not be prepared"))
+            entries.append(dict(name=run.name, status="left out", why=why, stands_for=stand_for(run)))
+        elif any(value == "data/help-gpu" for value in run.options) and not prepare_data(proof, deadline, entries):
+            entries.append(dict(name=run.name, status="not run", why="its token files could not be prepared"))
         else:
+            entries.append((len(tasks), run))
             tasks.append(run_task(run, proof))
-    return dict(jobs=jobs + run_tasks(tasks, deadline, PARALLEL, proof))
+    results = run_tasks(tasks, deadline, PARALLEL, proof)
+    return dict(jobs=[dict(results[entry[0]], stands_for=stand_for(entry[1])) if isinstance(entry, tuple) else entry
+                      for entry in entries])
 
 
 def prepare_data(proof, deadline, jobs):
@@ -277,7 +281,7 @@ def gpu_tests(folder=REPO / "tests"):
     return found
 
 
-def test_results(path):
+def junit_result(path):
     """{status, seconds, why} of the one test a pytest run wrote to the JUnit XML file at `path` (None: no file)."""
     if not Path(path).exists():
         return None
@@ -310,7 +314,7 @@ def part_tests(proof, deadline):
             command.append(f"--timeout={TEST_CAP * proof.scale - 10}")
 
         def read(job, report=report):
-            return test_results(report) or {}
+            return junit_result(report) or {}
 
         tasks.append(Task(name, [command], TEST_CAP, dict(cwd=REPO, gpu=True, logs=proof.work / "logs" / slug(name)),
                           read=read))
@@ -471,9 +475,8 @@ def mesh_command(proof):
     pp, tp = mesh_layout(processes)
     text = ["--workload", f"gpt-{setting.size}", "--text", proof.text] if proof.device == "cpu" else []
     command = torchrun("one_mesh.py", setting.epochs, setting.epochs, "--pp", pp, "--tp", tp, "--precision",
-                       setting.precision,
-                       "--batch_size", setting.batch_size, "--microbatches", setting.microbatches, *text,
-                       *proof.peak_option, nproc=processes)
+                       setting.precision, "--batch_size", setting.batch_size, "--microbatches", setting.microbatches,
+                       *text, *proof.peak_option, nproc=processes)
     return command, (pp, processes // (pp * tp), tp)
 
 
@@ -515,7 +518,7 @@ def part_mesh(proof, deadline):
 class Task:
     """One job of a part (tools/jobs: a command per node) that may run `cap` seconds at most; `options`: the Job's
     (cwd, gpu, env, node_env, services...); `read(job)`: what the ended job tells, as a dict (a status or why in it
-    replaces the exit code's)."""
+    replaces the exit code's, unless the job was stopped)."""
     name: str
     commands: list
     cap: float
@@ -563,8 +566,12 @@ def finished(task, job, seconds, bound, proof):
     else:
         errors = output.errors(job.output)
         result.update(status="failed", why=f"exit codes {job.codes}" + (f": {errors[-1]}" if errors else ""))
-    if task.read and not job.timed_out:
-        result.update(task.read(job))
+    # What a stopped job did before its bound is read too (the epochs it measured), but it stays stopped.
+    if task.read:
+        told = task.read(job)
+        if job.timed_out:
+            told = {name: value for name, value in told.items() if name not in ("status", "why")}
+        result.update(told)
     if result["status"] not in ("passed", "skipped"):
         logs = proof.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)

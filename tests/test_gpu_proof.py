@@ -111,13 +111,13 @@ def test_a_tests_result_is_read_from_its_junit_file(tmp_path):
         path = tmp_path / "junit.xml"
         path.write_text(f'<testsuites><testsuite><testcase name="t" time="12.34">{case}</testcase></testsuite>'
                         "</testsuites>")
-        return gpu_proof.test_results(path)
+        return gpu_proof.junit_result(path)
 
     assert junit("") == dict(status="passed", seconds=12.3)
     assert junit('<failure message="AssertionError: 1 != 2&#10;more">...</failure>') == dict(
         status="failed", seconds=12.3, why="AssertionError: 1 != 2")
     assert junit('<skipped message="needs 2 GPUs" />') == dict(status="skipped", seconds=12.3, why="needs 2 GPUs")
-    assert gpu_proof.test_results(tmp_path / "none.xml") is None
+    assert gpu_proof.junit_result(tmp_path / "none.xml") is None
 
 
 def test_without_a_gpu_it_stops_with_one_line_and_writes_nothing(tmp_path):
@@ -221,6 +221,7 @@ def test_a_part_over_its_budget_is_stopped_and_the_next_part_still_runs(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # two processes that import torch, which on a busy 2-core machine takes minutes
 def test_the_commands_and_tests_parts_run_their_jobs_and_read_their_results(tmp_path, monkeypatch):
     """Here, without a GPU: the commands part with two runs, step 1 (its GPU command runs on the CPU where there is no
     GPU) and step 7's tp 2 (left out on one GPU); the tests part with one test marked gpu, in a pytest process of its
@@ -229,9 +230,10 @@ def test_the_commands_and_tests_parts_run_their_jobs_and_read_their_results(tmp_
                             scale=gpu_proof.CPU_SCALE)
     runs = {run.name: run for run in gpu_proof.RUNS}
     monkeypatch.setattr(gpu_proof, "RUNS", [runs["step 1"], runs["step 7: tp 2"]])
-    deadline = gpu_proof.time.monotonic() + 240  # both parts, within pytest's 300 s
-    ran, left_out = gpu_proof.part_commands(proof, deadline)["jobs"][::-1]
-    assert left_out == dict(name="step 7: tp 2", status="left out", why="needs a multiple of 2 GPUs; this machine has 1",
+    deadline = gpu_proof.time.monotonic() + 540  # both parts, within the test's 600 s
+    ran, left_out = gpu_proof.part_commands(proof, deadline)["jobs"]
+    why = "needs a multiple of 2 GPUs; this machine has 1"
+    assert left_out == dict(name="step 7: tp 2", status="left out", why=why,
                             stands_for=["tensor_parallel.py --tp 2 --precision bf16"])
     assert ran["status"] == "passed" and ran["command"] == "python single_gpu.py 2 1", ran
     assert ran["stands_for"] == ["single_gpu.py"]
