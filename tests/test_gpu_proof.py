@@ -195,7 +195,10 @@ def test_a_part_over_its_budget_is_stopped_and_the_next_part_still_runs(tmp_path
     monkeypatch.setattr(gpu_proof, "TOO_LATE", 1)
     def sleeper(proof, deadline):
         sleep = [PYTHON, "-c", "import time; time.sleep(60)", str(tmp_path)]
-        tasks = [gpu_proof.Task(name, [sleep], 100, dict(cwd=tmp_path / name)) for name in ("sleeps", "waits")]
+        # what a stopped job measured is read (here made up), but it stays stopped
+        tasks = [gpu_proof.Task(name, [sleep], 100, dict(cwd=tmp_path / name),
+                                read=lambda job: dict(status="failed", why="no figures", figure=1))
+                 for name in ("sleeps", "waits")]
         return dict(jobs=gpu_proof.run_tasks(tasks, deadline, 1, proof))
 
     def printer(proof, deadline):
@@ -214,6 +217,7 @@ def test_a_part_over_its_budget_is_stopped_and_the_next_part_still_runs(tmp_path
     assert slow["status"] == "over budget" and slow["seconds"] < 10, slow
     assert [(job["name"], job["status"]) for job in slow["jobs"]] == [("sleeps", "stopped"), ("waits", "not run")]
     assert slow["jobs"][0]["why"].endswith("s, its part's budget") and slow["jobs"][1]["why"] == gpu_proof.BUDGET_SPENT
+    assert slow["jobs"][0]["figure"] == 1
     assert (proof.out / slow["jobs"][0]["log"]).exists()  # the stopped job's log, kept
     assert quick["status"] == "done" and quick["jobs"][0]["status"] == "passed", quick
     assert "| sleeps | stopped |" in (proof.out / "README.md").read_text()
