@@ -2,18 +2,20 @@
 made up here, the one-rank reference, and (slow) the start file and seeded mistakes of the solution run for real,
 each reaching its own verdict."""
 import re
+import time
 
 import pytest
 
 from exercises.inside import hang_clinic
-from exercises.inside.hang_clinic import (CASES, START, diagnosis_problems, hang_problems, one_rank_collectives,
-                                          parting, read_diagnosis, reference_results, result_problems,
-                                          solution_traffic, traffic_problems)
+from exercises.inside.hang_clinic import (CASE_TIMEOUT_S, CASES, GAVE_UP, RANKS, START, diagnosis_problems,
+                                          hang_problems, one_rank_collectives, parting, read_diagnosis,
+                                          reference_results, result_problems, solution_traffic, traffic_problems)
 from mistakes import exercise_problems, seeded, written
-from tools.jobs import REPO
+from tools.jobs import REPO, start, torchrun
 
 SOLUTION = "exercises/12_hang_clinic/solution.py"
 LIBRARY = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+STARTUP = 120  # generous: starting torchrun and three workers takes 10 s here, a minute and more at a load of 30
 
 
 def entry(record, collective, line, caller=120):
@@ -172,6 +174,27 @@ def test_the_reference_is_start_pys_own_cases_on_one_rank():
 
 def checked(script, tmp_path):
     return exercise_problems(12, script, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_rank_that_starts_late_joins_the_group_and_a_stuck_collective_still_gives_up_at_the_timeout(tmp_path):
+    """The checker starts several three-rank jobs at once, each with --timeout 5: on a busy machine a rank can reach
+    init_process_group long after the others. The group waits --rendezvous_timeout (120 s) for it; once formed, each
+    collective waits only --timeout. Here rank 2 arrives 15 s late and case branch hangs as start.py gives it: the
+    group forms (with --timeout as its bound too, ranks 0 and 1 stopped at 5 s: "the process group did not form"),
+    then the hang ends at --timeout (with the group's bound it would last 120 s)."""
+    late = 15
+    command = torchrun("exercises/12_hang_clinic/start.py", "--case", "branch", "--timeout", CASE_TIMEOUT_S,
+                       nproc=RANKS)
+    with start(command, cwd=tmp_path, stall_init=f"{RANKS - 1}:{late}") as job:
+        job.wait_for(rf"rank {RANKS - 1} calls init_process_group", timeout=STARTUP + late)
+        arrived = time.monotonic()
+        [code] = job.wait(timeout=150)
+        took = time.monotonic() - arrived
+    assert "did not form" not in job.output, job.output[-3000:]
+    assert code != 0 and GAVE_UP.search(job.output), job.output[-3000:]
+    # the case trains a few steps before its hang, and ending the ranks takes seconds more on a busy machine
+    assert took < CASE_TIMEOUT_S + 45, f"the hang ended {took:.0f} s after the group could form"
 
 
 @pytest.mark.slow

@@ -95,7 +95,8 @@ changed; without the variables nothing happens.
 - JOB_SKIP_ALL_REDUCE=`RANK:N`: the process of that global rank skips its N-th torch.distributed.all_reduce and
   sleeps instead, never arriving: the classic bug of a collective inside `if rank == 0:`, or a rank stuck in I/O.
 - JOB_STALL_INIT=`RANK`: the process of that global rank never reaches init_process_group (it sleeps instead): a
-  rank stuck before the process group forms, or one whose address cannot be reached.
+  rank stuck before the process group forms, or one whose address cannot be reached. `RANK:SECONDS`: it reaches it
+  that many seconds late, as a rank started last on a busy machine does.
 """
 import json
 import os
@@ -587,8 +588,13 @@ if STALL_INIT:
     _init_process_group = dist.init_process_group
 
     def _stalling_init_process_group(*args, **kwargs):
-        if os.environ.get("RANK") == STALL_INIT:
-            print(f"[job] rank {STALL_INIT} does not reach init_process_group", flush=True)
+        stalled, _, late = STALL_INIT.partition(":")
+        if os.environ.get("RANK") == stalled and late:
+            print(f"[job] rank {stalled} reaches init_process_group {late} s late", flush=True)
+            time.sleep(float(late))
+            print(f"[job] rank {stalled} calls init_process_group", flush=True)
+        elif os.environ.get("RANK") == stalled:
+            print(f"[job] rank {stalled} does not reach init_process_group", flush=True)
             time.sleep(120)  # ended by the launcher once the other ranks have failed; bounded all the same
         return _init_process_group(*args, **kwargs)
 
