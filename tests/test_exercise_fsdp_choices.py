@@ -230,13 +230,16 @@ def test_a_seeded_mistake_gets_its_own_verdict(edits, verdicts, tmp_path):
 
 
 # Programs learners wrote from the starting file (tests/independent/): blocks found by their type pass; the last block
-# left in the root's unit is named as such, not as a root kept whole.
+# left in the root's unit is named as such, not as a root kept whole. Its backward holds the root's unit (blocks.3 in
+# it), the block computing and the next, gathered ahead: over the bound on every run. Its forward holds the root's
+# unit and the block computing, the bound itself: one run measured it over, another not, so the verdict may name
+# forward or not.
 @pytest.mark.slow
 @pytest.mark.parametrize("part, verdicts", [
     ("fsdp_choices_by_type.py", []),
     ("fsdp_choices_last_block_in_root.py", [
-        r"rank \d held parameters whole at once: [\d.]+ KiB in forward and [\d.]+ KiB in backward, over the bound .*: "
-        r"`blocks\.3` is not a unit of its own: its parameters \([\d.]+ KiB\) went into the root's unit"]),
+        r"rank \d held parameters whole at once: ([\d.]+ KiB in forward and )?[\d.]+ KiB in backward, over the "
+        r"bound .*: `blocks\.3` is not a unit of its own: its parameters \([\d.]+ KiB\) went into the root's unit"]),
 ], ids=["right: blocks by type", "the last block in the root's unit"])
 def test_a_program_written_independently_gets_the_verdicts_of_its_mistakes(part, verdicts, tmp_path):
     problems = checked(written(tmp_path, "exercises/9_fsdp_choices/start.py", part), tmp_path)
