@@ -9,8 +9,10 @@ import torch
 from exercises.inside import ddp_by_hand
 from exercises.inside.ddp_by_hand import (bucket_sizes, communication_problems, global_batches, steps_of,
                                           weights_problems)
-from mistakes import exercise_problems, seeded, written
+from mistakes import CHECKING, exercise_problems, seeded, written
 from tools.jobs import REPO
+
+pytestmark = CHECKING  # the slow tests run checks
 
 SOLUTION = "exercises/7_ddp_by_hand/solution.py"
 # A made-up model: 5 gradients whose buckets hold 100, 200 and 50 bytes (350 in all); in model.parameters() order they

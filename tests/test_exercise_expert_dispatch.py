@@ -11,8 +11,10 @@ import torch.nn.functional as F
 
 from exercises.inside.expert_dispatch import (ROUND_FILE, crash_problems, exercise_rounds, input_problems,
                                               load_rounds, traffic_problems, value_problems, whole_layer)
-from mistakes import exercise_problems, seeded, written
+from mistakes import CHECKING, exercise_problems, seeded, written
 from tools.jobs import REPO
+
+pytestmark = CHECKING  # the slow tests run checks
 
 SOLUTION = "exercises/11_expert_dispatch/solution.py"
 ROUTES = [[4, 8], [6, 6]]  # routes[r][p]: the assignments of rank r's tokens to rank p's experts

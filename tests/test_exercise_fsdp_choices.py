@@ -9,8 +9,10 @@ from exercises.inside import fsdp_choices
 from exercises.inside.fsdp_choices import (global_batches, granularity_problems, model_facts, order_problems,
                                            peak_problems, plain_problems, records_problems, reference,
                                            result_problems, step_losses)
-from mistakes import exercise_problems, seeded, written
+from mistakes import CHECKING, exercise_problems, seeded, written
 from tools.jobs import REPO
+
+pytestmark = CHECKING  # the slow tests run checks
 
 SOLUTION = "exercises/9_fsdp_choices/solution.py"
 # A made-up model: the root's own parameters 10 bytes, 4 blocks of 100: the bound is 10 + 2 * 100.

@@ -10,8 +10,10 @@ from exercises.inside import hang_clinic
 from exercises.inside.hang_clinic import (CASE_TIMEOUT_S, CASES, GAVE_UP, RANKS, START, diagnosis_problems,
                                           hang_problems, one_rank_collectives, parting, read_diagnosis,
                                           reference_results, result_problems, solution_traffic, traffic_problems)
-from mistakes import exercise_problems, seeded, written
+from mistakes import CHECKING, exercise_problems, seeded, written
 from tools.jobs import REPO, start, torchrun
+
+pytestmark = CHECKING  # the slow tests run checks
 
 SOLUTION = "exercises/12_hang_clinic/solution.py"
 LIBRARY = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"

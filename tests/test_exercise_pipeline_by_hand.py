@@ -8,8 +8,10 @@ import torch
 from exercises.inside.pipeline_by_hand import (MICROBATCHES, expected_order, gradient_problems, hang_problems,
                                                memory_problems, merged, order_problems, passes_of, unseen_problems,
                                                wait_problems, weight_problems)
-from mistakes import exercise_problems, seeded, written
+from mistakes import CHECKING, exercise_problems, seeded, written
 from tools.jobs import REPO
+
+pytestmark = CHECKING  # the slow tests run checks
 
 SOLUTION, START = "exercises/10_pipeline_by_hand/solution.py", "exercises/10_pipeline_by_hand/start.py"
 ONE = 1024  # the bytes one micro-batch's forward keeps, in the made-up records

@@ -10,8 +10,10 @@ import torch
 from exercises.inside import zero_by_hand as checker
 from exercises.inside.zero_by_hand import (averaging_problems, communication_problems, crash_problems,
                                            gradient_problems, merged, state_problems, weights_problems)
-from mistakes import exercise_problems, seeded, written
+from mistakes import CHECKING, exercise_problems, seeded, written
 from tools.jobs import REPO
+
+pytestmark = CHECKING  # the slow tests run checks
 
 STEPS = 40
 SOLUTION = "exercises/8_zero_by_hand/solution.py"
