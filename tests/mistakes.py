@@ -10,9 +10,10 @@ from exercises.judging import JOB_LIMIT_S
 from tools.jobs import REPO
 
 INDEPENDENT = Path(__file__).resolve().parent / "independent"
-# A test that runs a check waits longer than the check bounds its jobs (JOB_LIMIT_S), with time for the references it
-# computes: the suite's 300 s cut off a check still within its bounds (exercise 9's, at a load average of 45 to 60).
-CHECKING = pytest.mark.timeout(JOB_LIMIT_S + 300)
+# A test that runs a check waits longer than the check itself may take: its jobs (JOB_LIMIT_S) and the references it
+# computes in this process, which on a busy machine take as long again. Exercise 12's check of its solution took 642 s
+# at a load average of 37 to 39, past the suite's backstop of 600 s.
+CHECKING = pytest.mark.timeout(3 * JOB_LIMIT_S)
 
 
 def exercise_problems(number, script, tmp_path):
