@@ -40,9 +40,9 @@ CPU jobs measured 0.10 to 0.57 of it beyond the plan's total). --reshard_after_f
 as ZeRO-3 runs without a pipeline schedule (torchtitan without pp): each micro-batch's forward and backward in turn,
 each layer's weights gathered for its forward and again for its backward, its gradients reduce-scattered after each
 backward; two layers gathered at once (the one computing and the next); arithmetic, not a layout one_mesh.py runs.
-Sizes: "cpu", "gpu" (utils/gpt.SIZES, the vocabulary of --text or of the help pages); "1b", "8b": THIS GPT (LayerNorm,
-biases, a 4x GELU MLP, learned positions, an untied head) at the widths of Llama 3.2 1B and Llama 3 8B, not Llama
-(RMSNorm, SwiGLU, rotary positions): 1.35e9 and 7.53e9 weights. On CUDA, LayerNorm's statistics are fp32.
+Sizes: "cpu", "gpu" (utils/gpt.SIZES, the vocabulary of --text or of the help pages); "1b", "8b", "70b", "405b"
+(utils/gpt.SHAPES): THIS GPT (LayerNorm, biases, a 4x GELU MLP, learned positions, an untied head) at the shapes of
+Llama 3.2 1B, Llama 3 8B and 70B and Llama 3.1 405B, not Llama (RMSNorm, SwiGLU, rotary positions). On CUDA, LayerNorm's statistics are fp32.
 """
 import argparse
 import dataclasses
@@ -51,7 +51,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from utils.gpt import SIZES, GPTConfig, load_text  # noqa: E402
+from utils.gpt import SHAPES, SIZES, load_text  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
 MARGIN = 0.15  # of each GPU's memory, for what the plan leaves out
@@ -66,9 +66,7 @@ ACTIVATION_TOLERANCE = 0.01
 # layouts (vocabulary slices of 12 to 57): the backward's rise exactly 3 slices and 33 bytes a position (the targets
 # as int64, their masks and indices), the forward's 2 or 3 slices and 12 bytes a position.
 LOSS_COPIES, LOSS_PER_POSITION = 3, 40
-BIG = {name: GPTConfig(n_layer=layers, n_head=32, n_embd=width, context=8192, dropout=0.0, lr=3e-4, betas=(0.9, 0.95),
-                       weight_decay=0.1, vocab_size=128256)
-       for name, layers, width in (("1b", 16, 2048), ("8b", 32, 4096))}
+BIG = SHAPES  # the large models' shapes (utils/gpt.py)
 
 
 @dataclasses.dataclass(frozen=True)
