@@ -5,7 +5,7 @@ named by the mesh dimension of its process group, and what a ring algorithm send
     groups = named_groups({"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group()})
     with counting_collectives(groups) as counting:
         step()
-    counting.collectives               [{kind, group, ranks, bytes, backward (, sent)}], in the order they were called
+    counting.collectives               [{kind, group, ranks, members, bytes, backward (, sent)}], in the order called
     sent_per_rank(collective)          the bytes one rank sends for one of them
 
 CommDebugMode is a dispatch mode: it sees every collective a rank calls, c10d's (DDP's all-reduces, FSDP's all-gathers
@@ -101,7 +101,8 @@ class counting_collectives(CommDebugMode):
         tensors = [leaf for leaf in tree_leaves((args, out)) if isinstance(leaf, torch.Tensor)]
         weight = (args[1].numel() * args[1].element_size() if kind == "all-to-all"
                   else max(t.numel() * t.element_size() for t in tensors))
-        return dict(kind=kind, group=label, ranks=len(ranks), bytes=weight, backward=self.advanced_module_tracker.is_bw,
+        return dict(kind=kind, group=label, ranks=len(ranks), members=list(ranks), bytes=weight,
+                    backward=self.advanced_module_tracker.is_bw,
                     **(dict(sent=sent_to_others(args)) if kind == "all-to-all" else {}))
 
 
