@@ -32,7 +32,7 @@ from utils import positive_int
 from utils.estimates import GPUS, device_flops, mfu, recomputed_flops, step_time
 from utils.fake_job import (EvenRouter, NewJobNumbers, already_in_place, each_bucket_all_reduced, even_routing,
                             forget_the_meshes)
-from utils.gpt import GPT, SHAPES, SIZES, load_text, make_optimizer, next_token_loss
+from utils.gpt import GPT, MOE_EXPERTS, SHAPES, SIZES, load_text, make_optimizer, next_token_loss
 from utils.memory import saved_for_backward, state_bytes
 from utils.moe import split_experts
 from utils.traffic import counting_collectives, named_groups, sent_per_rank
@@ -45,12 +45,22 @@ NO_SNAPSHOT = "/dev/null/no-snapshot"  # a path that cannot exist: a Trainer fin
 GiB, MiB = 2**30, 2**20
 
 
-def join_fake_job(rank, world_size):
-    """Be `rank` of a job of `world_size` ranks: torch's fake process group accepts every collective and moves nothing,
-    so the other ranks need not exist. The steps' Trainers read who they are from torchrun's variables."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % 8), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="8",
-                      TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_RUN_ID="plan")
+@contextlib.contextmanager
+def fake_job(rank, world_size):
+    """Be `rank` of a job of `world_size` ranks, inside: torch's fake process group accepts every collective and moves
+    nothing, so the other ranks need not exist. The steps' Trainers read who they are from torchrun's variables."""
+    variables = dict(RANK=str(rank), LOCAL_RANK=str(rank % 8), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="8",
+                     TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_RUN_ID="plan")
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        forget_the_meshes()  # the next rank's meshes are new
+        for name, value in before.items():
+            os.environ.pop(name) if value is None else os.environ.update({name: value})
 
 
 class PeakMemory(MemTracker):
@@ -218,32 +228,30 @@ def plan_rank(rank, config, args, count=True):
     """One rank of the job on the fake process group: the step's Trainer built, one step run on fake tensors. What it
     held (its weights, their gradients and the optimizer's state, as the step steps), what autograd kept for backward
     over the step (as one_mesh.py measures it), its peak (torch's MemTracker) and, with `count`, every collective."""
-    join_fake_job(rank, args.world)
-    mesh = mesh_of(args)
-    # Fake tensors: every tensor made under this mode has a shape, a dtype and a device, and no memory; an operation
-    # computes the shape of its result, not its values. So one rank of an 8B model fits in a laptop's memory.
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    trainer, run_step, groups, layers = LAYOUTS[args.step](config, args, mesh, fake)
-    named = named_groups(groups)  # every process group of this rank, by the mesh dimension of the same ranks
-    held = {}
-    trainer.optimizer.register_step_post_hook(lambda *_: held.update(state_bytes(trainer.model, trainer.optimizer)))
-    with fake:
-        peak = PeakMemory()
-        peak.track_external(trainer.model, trainer.optimizer)
-        saved = saved_for_backward()
-        began = time.perf_counter()
-        # torch's comm-counting mode sees each collective the step calls, with its group and its tensors.
-        with counting_collectives(named) if count else contextlib.nullcontext() as counting, peak:
-            run_step(saved)
-        seconds = time.perf_counter() - began
-    where = ", ".join(f"{dim} {mesh[dim].get_local_rank()}" for dim in mesh.mesh_dim_names) if mesh else "dp"
-    plan = dict(rank=rank, where=where, layers=layers, checkpointed=args.checkpoint_activations, seconds=seconds,
+    with fake_job(rank, args.world):
+        mesh = mesh_of(args)
+        # Fake tensors: every tensor made under this mode has a shape, a dtype and a device, and no memory; an
+        # operation computes the shape of its result, not its values. So one rank of an 8B model fits in a laptop.
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        trainer, run_step, groups, layers = LAYOUTS[args.step](config, args, mesh, fake)
+        named = named_groups(groups)  # every process group of this rank, by the mesh dimension of the same ranks
+        held = {}
+        trainer.optimizer.register_step_post_hook(lambda *_: held.update(state_bytes(trainer.model,
+                                                                                   trainer.optimizer)))
+        with fake:
+            peak = PeakMemory()
+            peak.track_external(trainer.model, trainer.optimizer)
+            saved = saved_for_backward()
+            began = time.perf_counter()
+            # torch's comm-counting mode sees each collective the step calls, with its group and its tensors.
+            with counting_collectives(named) if count else contextlib.nullcontext() as counting, peak:
+                run_step(saved)
+            seconds = time.perf_counter() - began
+        where = ", ".join(f"{dim} {mesh[dim].get_local_rank()}" for dim in mesh.mesh_dim_names) if mesh else "dp"
+    return dict(rank=rank, where=where, layers=layers, checkpointed=args.checkpoint_activations, seconds=seconds,
                 **held, activations=saved.bytes, peak=next(iter(peak.get_tracker_snapshot("peak").values()))["Total"],
                 groups={label: ranks for label, ranks in named.values()},
                 collectives=counting.collectives if count else None)
-    dist.destroy_process_group()
-    forget_the_meshes()  # the next rank's meshes are new
-    return plan
 
 
 def tallied(collectives):
@@ -325,8 +333,8 @@ def model_config(args):
     changes = dict(n_layer=args.layers, n_head=args.heads, n_embd=args.width, vocab_size=args.vocab,
                    context=args.context, experts=args.experts, top_k=args.top_k)
     config = dataclasses.replace(config, dropout=0.0, **{key: value for key, value in changes.items() if value})
-    if args.step == "expert_parallel" and not config.experts:
-        config = dataclasses.replace(config, experts=8)  # a mixture of experts to split
+    if args.step == "expert_parallel" and not config.experts:  # a mixture of experts to split: step 10's of a size
+        config = dataclasses.replace(config, experts=MOE_EXPERTS.get(args.size, 8))
     return config
 
 
@@ -335,11 +343,37 @@ def rank_list(text):
     return "all" if text == "all" else [int(rank) for rank in text.split(",")]
 
 
-def main(args):
+def require_layout_fits(config, args):
+    """Stop with one line, before anything is traced, when the step cannot lay the GPT out this way (its own checks
+    would stop the real job, or torch would fail inside the step)."""
+    grid = args.pp * args.tp * args.ep
+    problems = [
+        (args.world % grid, f"--world {args.world} is not a whole number of pp x tp x ep = {grid} grids"),
+        (config.n_head % args.tp or config.context % args.tp,
+         f"--tp {args.tp} must divide the heads ({config.n_head}) and the context ({config.context:,})"),
+        (2 * args.pp > config.n_layer + 2, f"--pp {args.pp} makes {2 * args.pp} stages, more than the GPT's "
+                                           f"{config.n_layer + 2} layers (its blocks, the embedding and the head)"),
+        (args.batch_size % args.microbatches, f"--microbatches {args.microbatches} must divide --batch_size "
+                                              f"{args.batch_size}"),
+        (args.step == "one_mesh" and args.microbatches % args.pp,
+         f"--microbatches {args.microbatches} must be a multiple of --pp {args.pp} (rounds of pp)"),
+        (args.step in ("fsdp", "tensor_parallel") and args.microbatches > 1,
+         f"{args.step}.py takes one batch a step: --microbatches 1"),
+        (config.experts % args.ep, f"--ep {args.ep} must divide the {config.experts} experts of a layer"),
+    ]
+    for problem, line in problems:
+        if problem:
+            raise SystemExit(f"error: {line}")
+
+
+def plan_job(args, say=print):
+    """The plan of args' job: {config, args, plans}, a plan per traced rank (plan_rank's figures, its collectives
+    tallied, its step's estimate); each rank's report said as it is done."""
     config = model_config(args)
     args.pp = args.pp if args.step == "one_mesh" else 1
     args.tp = args.tp if args.step in ("one_mesh", "tensor_parallel") else 1
     args.ep = args.ep if args.step == "expert_parallel" else 1
+    require_layout_fits(config, args)
     dp = args.world // (args.pp * args.tp * args.ep)
     gpu = GPUS[args.gpu]
     # One rank of each kind: a pipeline's first rank (the embedding) and its last (the head); elsewhere all are alike.
@@ -347,13 +381,13 @@ def main(args):
     ranks = range(args.world) if ranks == "all" else ranks
     shape = " x ".join(f"{name} {size}" for name, size in (("pp", args.pp), ("dp", dp), ("tp", args.tp),
                                                            ("ep", args.ep)) if size > 1 or name == "dp")
-    print(f"plan: a GPT of {config.n_layer} blocks, {config.n_head} heads, {config.n_embd} wide, a vocabulary of "
-          f"{config.vocab_size:,}, a context of {config.context:,}"
-          + (f", {config.experts} experts (top {config.top_k})" if config.experts else "")
-          + f"; {args.world:,} ranks as {args.step}.py ({STEPS[args.step]}) lays them out: {shape}; {args.batch_size} "
-          f"sequences a dp rank a step in {args.microbatches} micro-batches, {args.precision}")
-    print(f"each rank below is traced alone in this process (torch's fake process group stands in for the others, fake "
-          f"tensors for the memory); {COUNTED[args.step]}")
+    say(f"plan: a GPT of {config.n_layer} blocks, {config.n_head} heads, {config.n_embd} wide, a vocabulary of "
+        f"{config.vocab_size:,}, a context of {config.context:,}"
+        + (f", {config.experts} experts (top {config.top_k})" if config.experts else "")
+        + f"; {args.world:,} ranks as {args.step}.py ({STEPS[args.step]}) lays them out: {shape}; {args.batch_size} "
+        f"sequences a dp rank a step in {args.microbatches} micro-batches, {args.precision}")
+    say(f"each rank below is traced alone in this process (torch's fake process group stands in for the others, fake "
+        f"tensors for the memory); {COUNTED[args.step]}")
     plans = []
     for rank in ranks:
         plan = plan_rank(rank, config, args)
@@ -364,17 +398,23 @@ def main(args):
             other = plan_rank(rank, config, Namespace(**dict(
                 vars(args), checkpoint_activations=not args.checkpoint_activations)), count=False)
             plan["other"] = {key: other[key] for key in ("checkpointed", "activations", "peak")}
-        print(report(plan, gpu), flush=True)
+        say(report(plan, gpu))
         plans.append(plan)
     largest = max(plans, key=lambda plan: plan["peak"])
-    print(f"the largest peak, rank {largest['rank']}'s: {largest['peak'] / GiB:.2f} GiB, "
-          f"{largest['peak'] / gpu.memory:.0%} of an {gpu.name}'s {gpu.memory / GiB:.1f} GiB")
+    say(f"the largest peak, rank {largest['rank']}'s: {largest['peak'] / GiB:.2f} GiB, "
+        f"{largest['peak'] / gpu.memory:.0%} of an {gpu.name}'s {gpu.memory / GiB:.1f} GiB")
+    return dict(config=dataclasses.asdict(config), args=dict(vars(args), ranks=list(ranks)), plans=plans)
+
+
+def main(args):
+    plan = plan_job(args, say=lambda line: print(line, flush=True))
     if args.json:
         with open(args.json, "w") as file:
-            json.dump(dict(config=dataclasses.asdict(config), args=vars(args), plans=plans), file)
+            json.dump(plan, file)
 
 
-if __name__ == "__main__":
+def parse(argv=None):
+    """The command line's options (`argv`: a list, for a test or a checker that plans in its own process)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--step", default="one_mesh", choices=STEPS, help="Whose code lays the job out")
     parser.add_argument("--world", default=1024, type=positive_int, help="Ranks (GPUs) of the job")
@@ -394,6 +434,10 @@ if __name__ == "__main__":
     parser.add_argument("--ranks", type=rank_list, help="Ranks to trace (0,896 or all; default: one of each kind)")
     parser.add_argument("--gpu", default="h100", choices=GPUS, help="The GPU of the estimates")
     parser.add_argument("--json", help="Write the plan to this file as JSON")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
     # FSDP warns that a layer returns a view under the comm-counting mode's module hooks; no in-place op follows.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    main(parser.parse_args())
+    main(parse())

@@ -73,18 +73,22 @@ class EvenRouter(TorchDispatchMode):
 
 
 def even_routing(layer, routed, counts):
-    """utils.moe.MoE._dispatch with EvenRouter's counts, which no tensor holds as numbers: the same collectives in the
-    same order (the counts' all-to-all, the tokens out, their outputs back), each rank of the ep group getting an even
-    share of the tokens and each of its experts an even share of those. Set it on a layer: layer._dispatch =
-    lambda routed, counts: even_routing(layer, routed, counts)."""
+    """utils.moe.MoE._dispatch, line for line, with EvenRouter's counts, which no fake tensor holds as numbers: the same
+    collectives in the same order (the counts' all-to-all, the tokens out, their outputs back) and the same regrouping
+    by expert, each rank of the ep group getting an even share of the tokens and each of its experts an even share of
+    those. Set it on a layer: layer._dispatch = lambda routed, counts: even_routing(layer, routed, counts)."""
     ep = dist.get_world_size(layer.group)
     incoming = torch.empty_like(counts)
     dist.all_to_all_single(incoming, counts, group=layer.group)
-    share = [len(routed) // ep] * ep
-    arrived = AllToAll.apply(routed, share, share, layer.group)
-    mine = layer.n_experts // ep  # the experts this rank holds of the layer
-    outputs = layer.experts(arrived, [len(arrived) // mine] * mine)
-    return AllToAll.apply(outputs, share, share, layer.group)
+    send = receive = [len(routed) // ep] * ep  # _dispatch reads them from the counts
+    arrived = AllToAll.apply(routed, receive, send, layer.group)
+    per_expert = incoming.view(ep, -1)
+    expert_of_row = torch.arange(per_expert.shape[1], device=routed.device).repeat(ep)
+    by_expert = expert_of_row.repeat_interleave(incoming, output_size=len(arrived)).argsort(stable=True)
+    mine = per_expert.shape[1]  # the experts this rank holds of the layer
+    computed = layer.experts(arrived[by_expert], [len(arrived) // mine] * mine)
+    outputs = computed.new_empty(computed.shape).index_copy_(0, by_expert, computed)
+    return AllToAll.apply(outputs, send, receive, layer.group)
 
 
 def forget_the_meshes():
