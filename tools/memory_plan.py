@@ -51,6 +51,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from utils.estimates import device_flops, mfu, recomputed_flops, step_time  # noqa: E402
 from utils.gpt import SHAPES, SIZES, load_text  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
@@ -300,6 +301,30 @@ def check(records_by_rank, config, layout):
     return [(rank, field, planned, measured)
             for rank, field, planned, measured in compare(records_by_rank, config, layout)
             if abs(planned - measured) > (ACTIVATION_TOLERANCE * measured if field == "activation_bytes" else 0)]
+
+
+def ranked(config, gpus, gpu, batch_size=8, microbatches=8, precision="bf16"):
+    """fit()'s layouts of `gpus` that fit a `gpu` (utils.estimates.GPUS: its memory, peak and links) with tp inside a
+    node, fastest first: [{layout, total, links, compute, bubble, tp, dp, pp, exposed, step, mfu}], the time of a step
+    and its MFU on paper (utils.estimates.step_time), each mesh dimension on its link (NVLink when its ranks are one
+    node's GPUs, else the network; tp innermost, then dp, then pp, as one_mesh.py orders them)."""
+    found = []
+    for layout, total, fits in fit(config, gpus, gpu.memory / GiB, batch_size, microbatches, precision):
+        if not fits or layout.tp > gpu.per_node:
+            continue
+        links = dict(tp="nvlink", dp="network" if layout.tp * layout.dp > gpu.per_node else "nvlink",
+                     pp="network" if layout.tp * layout.dp * layout.pp > gpu.per_node else "nvlink")
+        flops = device_flops(config, layout.batch_size, layout.tp, layout.pp)
+        recomputed = recomputed_flops(config, layout.batch_size, layout.tp, layout.pp) if (
+            layout.checkpoint_activations) else 0.0
+        # The slower of a pipeline's first rank and its last (the head's): every rank waits for it.
+        seconds = max((step_time(flops, gpu, row["tp_bytes"], row["dp_bytes"], row["pp_bytes"], links["tp"],
+                                 links["dp"], links["pp"], layout.pp, layout.microbatches, recomputed=recomputed)
+                       for row in (plan_rank(config, layout, rank) for rank in
+                                   {0, (layout.pp - 1) * layout.dp * layout.tp})), key=lambda time: time["step"])
+        found.append(dict(layout=dataclasses.asdict(layout), total=total, links=links, **seconds,
+                          mfu=mfu(flops, seconds["step"], gpu.flops)))
+    return sorted(found, key=lambda candidate: -candidate["mfu"])
 
 
 COLUMNS = "params grads optim gathered act_mb peak_act logits pipeline loss total pp_bytes dp_bytes tp_bytes".split()

@@ -80,3 +80,42 @@ def mfu(flops, seconds, peak):
     """Model FLOPs utilisation of one device: the model FLOPs it does in a step over what its peak does in the step's
     time. The same for the whole job when every device does its share."""
     return flops / (seconds * peak)
+
+
+# ---------------------------------------------------------------------------------------------- what each layout holds
+
+def weights(config):
+    """{blocks, edges, experts, total}: the GPT's weights (utils/gpt.GPT): its blocks' (the experts' apart, for a
+    mixture of experts), its embedding's and head's (edges), and all of them."""
+    C, V, T, L = config.n_embd, config.vocab_size, config.context, config.n_layer
+    mlp = (4 * C * C + 4 * C) + (4 * C * C + C)
+    experts = L * config.experts * mlp if config.experts else 0
+    block = 4 * (C * C + C) + 4 * C + (C * config.experts if config.experts else mlp)  # attention, 2 norms, MLP/router
+    edges = V * C + T * C + 2 * C + C * V  # the two embeddings, the final norm, the head
+    return dict(blocks=L * block, edges=edges, experts=experts, total=L * block + edges + experts)
+
+
+def textbook(step, config, world, tp=1, pp=1, ep=1, sequences=1, precision="bf16"):
+    """{state, sent}: what each rank of a layout holds (its weights, gradients and AdamW's two moments: 16 bytes a
+    weight, in fp32) and sends a step (a dict by group), by the formulas of docs/reference/plan-at-scale.md. Psi is a
+    count of weights; d the compute dtype's bytes; b T the tokens of a dp rank's step (`sequences` of the context).
+    The formulas leave out what is small: FSDP's padding, the norms and biases tensor parallelism copies, the few
+    numbers the gradient clipping sends. step: "gpt" (DDP), "fsdp", "tensor_parallel" (2D), "expert_parallel"."""
+    d = 2 if precision == "bf16" else 4
+    psi, bT, C, L = weights(config), sequences * config.context, config.n_embd, config.n_layer
+    ring = lambda n: (n - 1) / n  # noqa: E731 - a ring's share of a buffer that each rank sends
+    if step == "gpt":  # every rank all of it; the gradients all-reduced in fp32
+        return dict(state=16 * psi["total"], sent=dict(dp=2 * ring(world) * 4 * psi["total"]))
+    if step == "fsdp":  # 1/n of it; the weights all-gathered before each forward and each backward, in d; the gradients
+        return dict(state=16 * psi["total"] / world,  # reduce-scattered in fp32
+                    sent=dict(dp=ring(world) * psi["total"] * (2 * d + 4)))
+    if step == "tensor_parallel":  # the blocks split tp-fold, FSDP over dp of the rest; 4 all-reduces a block
+        dp, held = world // tp, psi["blocks"] / tp + psi["edges"]
+        return dict(state=16 * held / dp, sent=dict(dp=ring(dp) * held * (2 * d + 4),
+                                                    tp=4 * L * 2 * ring(tp) * bT * C * d))
+    if step == "expert_parallel":  # 1/ep of the experts, DDP of them over dp, DDP of the rest over all; 4 all-to-alls
+        dp, held = world // ep, psi["experts"] / ep  # a layer: the tokens out and back, forward and backward
+        return dict(state=16 * (psi["blocks"] + psi["edges"] + held),
+                    sent=dict(all=2 * ring(world) * 4 * (psi["blocks"] + psi["edges"]), dp=2 * ring(dp) * 4 * held,
+                              ep=4 * L * ring(ep) * bT * config.top_k * C * d))
+    raise ValueError(f"no textbook formula for {step}")
