@@ -27,6 +27,9 @@ from utils import make_workload
 from utils.gpt import TEXT_VARIABLE, help_pages
 
 EPOCHS, SAVE_EVERY = 4, 2
+# The first test of this module starts the demo (fourteen jobs, each bounded by the demo's --timeout of 120 s below):
+# its bound is theirs, not the 300 s that pytest.ini gives one test.
+pytestmark = pytest.mark.timeout(14 * 120)
 DATASET_SIZE = 2048  # the synthetic workload's training set
 
 
