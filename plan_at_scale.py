@@ -66,7 +66,7 @@ def fake_job(rank, world_size):
 class PeakMemory(MemTracker):
     """torch's MemTracker: every tensor made while it is on, by its storage, and the most they come to at once (the
     peak), the rank's weights and optimizer given to it. Its per-module snapshots expect each module to run once a
-    step, and a pipeline runs a stage once a micro-batch: they are left out. The peak of the rank is what a plan needs."""
+    step, and a pipeline runs a stage once a micro-batch: they are left out. The rank's peak is what a plan needs."""
 
     def _pre_fw_hook(self, module, inputs):
         pass
@@ -307,8 +307,8 @@ def report(plan, gpu):
              f"  holds        params {plan['params'] / GiB:.2f} GiB + grads {plan['grads'] / GiB:.2f} GiB + "
              f"AdamW {plan['optim'] / GiB:.2f} GiB",
              f"  activations  {plan['activations'] / GiB:.2f} GiB kept for backward {checkpointing} activation "
-             f"checkpointing" + (f", {other['activations'] / GiB:.2f} GiB {'with' if other['checkpointed'] else 'without'}"
-                                 if other else ""),
+             f"checkpointing" + (f", {other['activations'] / GiB:.2f} GiB "
+                                 f"{'with' if other['checkpointed'] else 'without'}" if other else ""),
              f"  peak         {plan['peak'] / GiB:.2f} GiB (torch's MemTracker)"
              + (f", {other['peak'] / GiB:.2f} GiB {'with' if other['checkpointed'] else 'without'} checkpointing"
                 if other else "") + f"; an {gpu.name} has {gpu.memory / GiB:.1f} GiB",
