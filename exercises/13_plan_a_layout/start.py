@@ -11,7 +11,7 @@ buffers and fragmentation), keeps tensor parallelism's traffic inside a node, an
 layout that fits (within 10% of its MFU, on paper). Try layouts with the planner, then check yours:
     python plan_at_scale.py --world 16 --size 8b --batch_size 8 --pp 8 --tp 1 --microbatches 8
     python exercises/check.py 13 my_layout.py
-The checker runs the planner on your layout (each kind of rank traced: about a minute) and says what is wrong. Hints
+The checker runs the planner on your layout (each kind of rank traced: minutes) and says what is wrong. Hints
 in exercises/13_plan_a_layout/hints.md.
 """
 PP = 8  # TODO: pipeline ranks: 1, 2, 4 or 8 (each holds 2 of the 2 x PP stages; the GPT has 34 layers)
