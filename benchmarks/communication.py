@@ -21,7 +21,8 @@ all-reduce that EP shrinks. Every layout takes the same global batch (--batch_si
 N/2 or 1 share of it per rank; a CP rank reads all of them and keeps its chunks' positions of each; an EP rank reads
 its own, as a DDP rank does).
 
-Counts come from torch's own instrument, CommDebugMode (torch.distributed.tensor.debug): a dispatch mode that sees
+Counts come from torch's own instrument, CommDebugMode (torch.distributed.tensor.debug; utils/traffic.py weighs each
+collective): a dispatch mode that sees
 every collective a rank calls, c10d's (DDP's all-reduces, FSDP's all-gathers and reduce-scatters) and DTensor's
 functional ones (TP's all-reduces). It does not count point-to-point ops, which the ring's exchange is made of
 (batch_isend_irecv's isend and irecv): the same dispatch mode sees them as c10d's send and recv_ ops, and each send is
@@ -52,75 +53,20 @@ sys.path.insert(0, str(REPO))  # run as `python benchmarks/communication.py` fro
 
 from tools.jobs import free_port, machine_summary, spawned_result  # noqa: E402
 from utils import exit_without_teardown, positive_int  # noqa: E402
+from utils.traffic import counting_collectives, sent_per_rank  # noqa: E402
 
 MOE_LAYOUTS = ["MoE DDP", "EP", "EP 2D"]  # the mixture-of-experts GPT: DDP of it whole, then its experts split
 LAYOUTS = ["DDP", "FSDP", "TP", "2D", "CP", *MOE_LAYOUTS]
-KINDS = {"allreduce_": "all-reduce", "all_reduce": "all-reduce", "_allgather_base_": "all-gather",
-         "allgather_into_tensor_coalesced_": "all-gather", "all_gather_into_tensor": "all-gather",
-         "all_gather_into_tensor_coalesced": "all-gather", "_reduce_scatter_base_": "reduce-scatter",
-         "reduce_scatter_tensor_coalesced_": "reduce-scatter", "reduce_scatter_tensor": "reduce-scatter",
-         "reduce_scatter_tensor_coalesced": "reduce-scatter", "broadcast_": "broadcast", "broadcast": "broadcast",
-         "alltoall_base_": "all-to-all", "send": "send/recv"}
+def labelled(group, label):
+    """{the group's name: (label, its ranks)}: how counting_collectives names the collectives over it."""
+    import torch.distributed as dist
 
-
-def group_name(arg):
-    """The name of the process group a collective's argument stands for, else None. c10d's collectives take the group
-    itself (a ScriptObject inside the dispatcher), DTensor's functional ones its name."""
-    import torch
-    from torch.distributed import ProcessGroup
-
-    if isinstance(arg, torch.ScriptObject):
-        try:
-            return ProcessGroup.unbox(arg).group_name
-        except RuntimeError:  # another ScriptObject: the ReduceOp
-            return None
-    return arg if isinstance(arg, str) else None
-
-
-def sent_to_others(args):
-    """The bytes an all_to_all_single (c10d's alltoall_base_: output, input, group, output splits, input splits) sends
-    to the other ranks of its group: its input less the rows it keeps, its own split (even ones when none are given)."""
-    from torch.distributed import ProcessGroup
-
-    source, group, splits = args[1], ProcessGroup.unbox(args[2]), args[4]
-    rows = splits or [len(source) // group.size()] * group.size()
-    return (len(source) - rows[group.rank()]) * source[0].numel() * source.element_size() if len(source) else 0
-
-
-def counting_mode(groups):
-    """A CommDebugMode that also notes, per collective and per point-to-point send, its kind, its process group
-    (`groups`: group name -> ("dp", "tp", "cp", "ep" or "all", its size in ranks)), its buffer's bytes (and an
-    all-to-all's bytes sent to other ranks) and whether backward ran it."""
-    import torch
-    from torch.distributed.tensor.debug import CommDebugMode
-    from torch.utils._pytree import tree_leaves
-
-    class WeighingCommDebugMode(CommDebugMode):
-        def __init__(self):
-            super().__init__()
-            self.collectives = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            before = sum(self.comm_counts.values())
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            # CommDebugMode counted a collective, or a point-to-point send went by, which it leaves uncounted.
-            if sum(self.comm_counts.values()) > before or func._overloadpacket is torch.ops.c10d.send:
-                name = next(name for name in map(group_name, tree_leaves(args)) if name in groups)
-                tensors = [leaf for leaf in tree_leaves((args, out)) if isinstance(leaf, torch.Tensor)]
-                label, size = groups[name]
-                kind = KINDS.get(func._overloadpacket.__name__, func._overloadpacket.__name__)
-                self.collectives.append(dict(
-                    kind=kind, group=label, ranks=size, backward=self.advanced_module_tracker.is_bw,
-                    bytes=max(t.numel() * t.element_size() for t in tensors),
-                    **(dict(sent=sent_to_others(args)) if kind == "all-to-all" else {})))
-            return out
-
-    return WeighingCommDebugMode()
+    return {group.group_name: (label, dist.get_process_group_ranks(group))}
 
 
 def wrapped(layout, world_size, size, text_path):
     """The GPT of `size` ("cpu" or "gpu"; dropout 0; its mixture-of-experts version for EP) wrapped as `layout`: (its
-    workload, the wrapped model, its optimizer, {group name: (label, ranks)}, the mesh's number of dp ranks, the number
+    workload, the wrapped model, its optimizer, {group name: (label, its ranks)}, the mesh's number of dp ranks, the number
     of ranks that read different sequences, and a context manager inside which the model trains: CP's split of each
     sequence, which yields the positions this rank takes; else one that yields None)."""
     import torch.distributed as dist
@@ -136,7 +82,7 @@ def wrapped(layout, world_size, size, text_path):
 
     workload = make_workload(f"gpt-moe-{size}" if layout in MOE_LAYOUTS else f"gpt-{size}", text=text_path,
                              dropout=0)
-    model, groups = workload.model, {dist.group.WORLD.group_name: ("all", world_size)}
+    model, groups = workload.model, labelled(dist.group.WORLD, "all")
     if layout in ("DDP", "MoE DDP"):
         return workload, DDP(model), workload.optimizer, groups, world_size, world_size, contextlib.nullcontext()
     if layout in MOE_LAYOUTS:  # as expert_parallel.py: a (dp, ep) mesh, each rank 1/ep of every layer's experts
@@ -145,7 +91,7 @@ def wrapped(layout, world_size, size, text_path):
         # An ep dimension of all ranks is the default group itself, as with CP: a group of its own over the same
         # ranks gives the all-to-alls a name apart from DDP's all-reduce.
         ep_group = dist.new_group(list(range(world_size))) if ep == world_size else mesh["ep"].get_group()
-        groups.update({ep_group.group_name: ("ep", ep), mesh["dp"].get_group().group_name: ("dp", world_size // ep)})
+        groups.update(labelled(ep_group, "ep") | labelled(mesh["dp"].get_group(), "dp"))
         split_experts(model, ep_group)
         # Each layer's experts: a DDP over their dp copies, the gradient / ep (the mean over all ranks, as the rest's).
         for layer in moe_layers(model):
@@ -160,13 +106,13 @@ def wrapped(layout, world_size, size, text_path):
         # A group of its own over all ranks, where context_parallel.py's mesh would hand out the default group itself:
         # the same ranks, but a name of its own, so that the table tells the ring's sends from DDP's all-reduce.
         cp = dist.new_group(list(range(world_size)))
-        groups[cp.group_name] = ("cp", world_size)
+        groups.update(labelled(cp, "cp"))
         chunks_by_rank = [[r, 2 * world_size - 1 - r] for r in range(world_size)]
         model = DDP(model)
         return workload, model, workload.optimizer, groups, 1, 1, split_sequence(model, cp, chunks_by_rank, "ring")
     tp = {"FSDP": 1, "TP": world_size, "2D": world_size // 2}[layout]
     mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-    groups.update({mesh[dim].get_group().group_name: (dim, mesh[dim].size()) for dim in ("tp", "dp")})
+    groups.update(labelled(mesh["tp"].get_group(), "tp") | labelled(mesh["dp"].get_group(), "dp"))
     for block in list(model.children())[1:-1] if tp > 1 else []:
         parallelize_module(block, mesh["tp"], PLAN)
     for module in [*model.children(), model]:
@@ -201,7 +147,7 @@ def worker(rank, world_size, args, text_path, result_path):
 
         for _ in range(2):  # warm-up: DDP rebuilds its buckets after the first step, Adam creates its moments
             step()
-        with counting_mode(groups) as mode:
+        with counting_collectives(groups) as mode:
             step()
         runs[layout] = dict(collectives=mode.collectives, dp=dp, step=step, seconds=[])
     for _ in range(args.rounds):
@@ -222,18 +168,6 @@ def worker(rank, world_size, args, text_path, result_path):
             for layout, run in runs.items()}))
     dist.destroy_process_group()
     exit_without_teardown()  # as the step scripts do: a gloo thread may still hold tensors at interpreter exit
-
-
-def sent_per_rank(collective):
-    """Bytes one rank sends for a collective with a ring algorithm (what NCCL and gloo use for large buffers); a
-    point-to-point send sends its whole buffer, an all-to-all what it counted for the other ranks."""
-    n = collective["ranks"]
-    if collective["kind"] == "all-to-all":
-        return collective["sent"]
-    if collective["kind"] == "send/recv":
-        return collective["bytes"] if n > 1 else 0.0
-    share = (n - 1) / n if n > 1 else 0.0
-    return collective["bytes"] * share * (2 if collective["kind"] == "all-reduce" else 1)
 
 
 def summary(results, world_size):

@@ -669,7 +669,7 @@ def plan_worker(rank, args, text_path, result_path):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks.communication import counting_mode, sent_per_rank
+    from utils.traffic import counting_collectives, named_groups, sent_per_rank
     from utils.memory import state_bytes
 
     torch.set_num_threads(1)
@@ -689,13 +689,9 @@ def plan_worker(rank, args, text_path, result_path):
                 timeline.step(source, targets)
         figures = timeline.figures(1, source.nbytes + targets.nbytes,
                                    state_bytes(trainer.model, trainer.optimizer)["params"])
-        # Every process group this rank is in, named after the mesh dimension of the same ranks (the groups a mesh
-        # dimension's DTensors use need not be the ones mesh[dim] hands out later; the default group is dp's when dp
-        # spans all ranks): torch keeps no public list of them.
-        ranks_of = {dim: dist.get_process_group_ranks(mesh[dim].get_group()) for dim in ("pp", "dp", "tp")}
-        groups = {name: (dim, len(ranks)) for group, name in dist.distributed_c10d._world.pg_names.items()
-                  for dim, ranks in reversed(ranks_of.items()) if dist.get_process_group_ranks(group) == ranks}
-        with counting_mode(groups) as counting:
+        # Every process group this rank is in, named after the mesh dimension of the same ranks (utils.traffic).
+        groups = named_groups({dim: mesh[dim].get_group() for dim in ("tp", "dp", "pp")})
+        with counting_collectives(groups) as counting:
             trainer._run_batch(source, targets, contextlib.nullcontext())
         for dim in ("pp", "dp", "tp"):
             figures[f"{dim}_bytes"] = round(sum(sent_per_rank(c) for c in counting.collectives if c["group"] == dim))

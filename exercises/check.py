@@ -12,6 +12,7 @@
     python exercises/check.py 10 my_pipeline.py    # 10. a pipeline schedule by hand: GPipe, then 1F1B
     python exercises/check.py 11 my_dispatch.py    # 11. the experts' dispatch: two all-to-alls
     python exercises/check.py 12 my_clinic.py      # 12. the hang clinic: which rank, which collective, which line
+    python exercises/check.py 13 my_layout.py      # 13. plan a layout: the 8B GPT on 2 nodes of 8 GPUs, planned
 
 It prints what is missing or wrong, in the exercise's terms and with the line to change, and exits 0 only when
 everything is right. It judges what the processes did, not how the script is written: the samples each rank trained
@@ -22,7 +23,8 @@ exercises/inside/): every collective each rank called, with its bytes, its line 
 backward and optimizer step with the gradients and optimizer state it held, and what the exercise builds (FSDP's
 units held whole, a pipeline rank's passes and activations, the rows an all-to-all moved, every rank's Flight
 Recorder), against what a correct program computes. tools/jobs records all that, the same job runner the
-repository's tests use.
+repository's tests use. For exercise 13 it runs the planner (plan_at_scale.py, step 14) on the layout and judges what
+the planner counted: the peak memory of each kind of rank, where tensor parallelism's traffic goes, the step's time.
 """
 import argparse
 import importlib
@@ -45,10 +47,12 @@ from utils import make_workload  # noqa: E402
 
 EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes", 4: "4_grad_accum",  # their folders in exercises/
              5: "5_tensor_parallel", 6: "6_context_parallel", 7: "7_ddp_by_hand", 8: "8_zero_by_hand",
-             9: "9_fsdp_choices", 10: "10_pipeline_by_hand", 11: "11_expert_dispatch", 12: "12_hang_clinic"}
-# The track inside the machinery (7-12): each exercise's checker is a module of exercises/inside/, by this name.
+             9: "9_fsdp_choices", 10: "10_pipeline_by_hand", 11: "11_expert_dispatch", 12: "12_hang_clinic",
+             13: "13_plan_a_layout"}
+# The track inside the machinery (7-12), and planning a layout (13): each exercise's checker is a module of
+# exercises/inside/, by this name.
 INSIDE = {7: "ddp_by_hand", 8: "zero_by_hand", 9: "fsdp_choices", 10: "pipeline_by_hand", 11: "expert_dispatch",
-          12: "hang_clinic"}
+          12: "hang_clinic", 13: "plan_a_layout"}
 # What solves each exercise: the step scripts (1-6), then each exercise's own solution.py, which a learner compares with
 SOLUTIONS = {1: "multigpu.py", 2: "multigpu_torchrun.py", 3: "multinode.py", 4: "gpt.py", 5: "tensor_parallel.py",
              6: "context_parallel.py", **{number: f"exercises/{EXERCISES[number]}/solution.py" for number in INSIDE}}

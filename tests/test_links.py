@@ -88,7 +88,7 @@ def test_a_file_named_but_missing_is_found():
 DOCS = REPO / "docs"
 # Every step page that is a learner's page has its reference page, docs/reference/<page>.md; these at least.
 STEP_PAGES = ["fsdp.md", "gpt.md", "tensor-parallel.md", "pipeline-parallel.md", "context-parallel.md",
-              "expert-parallel.md", "one-mesh.md"]
+              "expert-parallel.md", "one-mesh.md", "plan-at-scale.md"]
 LEARNER_PAGES = sorted({*STEP_PAGES, *(page.name for page in (DOCS / "reference").glob("*.md"))})
 MOST_LINES = 300  # a learner's page reads in ten minutes
 

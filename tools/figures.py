@@ -13,6 +13,7 @@ from its record of every collective, the memory from the tables `--verbose` prin
 shared 2-core machine at load 20 to 40 (the expert-parallel one, an epoch of the help pages, the longest: 8 minutes).
 """
 import argparse
+import json
 import re
 import sys
 import tempfile
@@ -26,7 +27,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as `python tools/figures.py`: the repository's packages
 
 from tools import pipeline_timeline  # noqa: E402
-from tools.jobs import machine_summary, output, run, shared_file, shown, torchrun  # noqa: E402
+from tools.jobs import machine_summary, output, python, run, shared_file, shown, torchrun  # noqa: E402
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages  # noqa: E402
 from utils.metrics import RUN_DIR_VARIABLE  # noqa: E402
 
@@ -487,11 +488,62 @@ def one_mesh(work, pp=2, tp=2):
     return figure, job, dict(layers=layers, held={name: held[name] for name in MESH_MATRICES})
 
 
+def plan_at_scale(work, world=1024, pp=8, tp=8):
+    """plan_at_scale.py (step 14) on the learner page's job, the 8B GPT on 1,024 GPUs as step 11 lays it out (pp 8 x
+    dp 16 x tp 8, recomputation, 8 micro-batches): the two kinds of rank it traces, what each holds and peaks at
+    against an H100's memory, and the bytes each sends in a step over every group, on NVLink or the network."""
+    job = run(python("plan_at_scale.py", "--world", world, "--pp", pp, "--tp", tp, "--size", "8b",
+                     "--checkpoint_activations", "--json", "plan.json"),
+              cwd=mkdir(work / "plan_at_scale"), timeout=3600)
+    plan = json.loads((job.cwd / "plan.json").read_text())
+    gib = 2**30
+    plt = pyplot()
+    figure, (memory, traffic) = plt.subplots(1, 2, figsize=(12, 5), gridspec_kw=dict(width_ratios=[1, 1.6]))
+    names = [f"rank {rank['rank']}\n({rank['where']})" for rank in plan["plans"]]
+    for index, rank in enumerate(plan["plans"]):
+        state = (rank["params"] + rank["grads"] + rank["optim"]) / gib
+        kept = rank["activations"] / gib
+        rest = rank["peak"] / gib - state - kept
+        memory.bar(index, state, color="tab:blue", label="weights, gradients, AdamW" if index == 0 else None)
+        memory.bar(index, kept, bottom=state, color="tab:orange",
+                   label="kept for backward" if index == 0 else None)
+        memory.bar(index, rest, bottom=state + kept, color="tab:gray",
+                   label="the rest of the peak (gathered layers, logits, buffers)" if index == 0 else None)
+        memory.text(index, rank["peak"] / gib, f"{rank['peak'] / gib:.1f} GiB", ha="center", va="bottom", fontsize=8)
+    h100 = 81559 * 2**20 / gib
+    memory.axhline(h100, color="black", linestyle="--")
+    memory.text(-0.4, h100, "an H100's 80 GB", va="bottom", fontsize=8)
+    memory.set(xticks=range(len(names)), xticklabels=names, ylabel="GiB", ylim=(0, h100 * 1.15),
+               title="each traced rank's peak memory (torch's MemTracker)")
+    memory.legend(fontsize=7, loc="upper right")
+    colors = {"nvlink": "tab:green", "network": "tab:red"}
+    width = 0.8 / len(plan["plans"])
+    groups = sorted({row["group"] for rank in plan["plans"] for row in rank["tally"]})
+    for index, rank in enumerate(plan["plans"]):
+        links = rank["estimate"]["links"]
+        sent = {group: sum(row["sent"] for row in rank["tally"] if row["group"] == group) / gib for group in groups}
+        for position, group in enumerate(groups):
+            traffic.bar(position + index * width, sent[group], width, color=colors[links[group]],
+                        edgecolor="black", hatch="//" if index else None)
+            traffic.text(position + index * width, sent[group], f"{sent[group]:.2f}", ha="center", va="bottom",
+                         fontsize=7)
+    traffic.set(xticks=[position + width * (len(plan["plans"]) - 1) / 2 for position in range(len(groups))],
+                xticklabels=[f"{group} ({plan['plans'][0]['estimate']['links'][group]})" for group in groups],
+                ylabel="GiB sent a step", title="bytes a rank sends in a step, by group (plain: " + names[0].split(
+                    "\n")[0] + ", hatched: " + names[-1].split("\n")[0] + "; green NVLink, red network)")
+    traffic.title.set_fontsize(9)
+    figure.suptitle("plan_at_scale.py: one rank of a 1,024-GPU job of an 8B GPT (pp 8 x dp 16 x tp 8), traced on a "
+                    "laptop", fontsize=10)
+    return figure, job, dict(plans=[{key: rank[key] for key in ("rank", "params", "grads", "optim", "activations",
+                                                                 "peak")} for rank in plan["plans"]])
+
+
 # --- drawing them ----------------------------------------------------------------------------------------------------
 
 # Each figure, by the page that shows it (docs/<page>.md shows figures/<page>.png).
 FIGURES = {"fsdp": fsdp, "gpt": gpt, "tensor-parallel": tensor_parallel, "pipeline-parallel": pipeline_parallel,
-           "context-parallel": context_parallel, "expert-parallel": expert_parallel, "one-mesh": one_mesh}
+           "context-parallel": context_parallel, "expert-parallel": expert_parallel, "one-mesh": one_mesh,
+           "plan-at-scale": plan_at_scale}
 
 
 def path_of(name, folder=FOLDER):

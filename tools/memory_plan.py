@@ -40,9 +40,9 @@ CPU jobs measured 0.10 to 0.57 of it beyond the plan's total). --reshard_after_f
 as ZeRO-3 runs without a pipeline schedule (torchtitan without pp): each micro-batch's forward and backward in turn,
 each layer's weights gathered for its forward and again for its backward, its gradients reduce-scattered after each
 backward; two layers gathered at once (the one computing and the next); arithmetic, not a layout one_mesh.py runs.
-Sizes: "cpu", "gpu" (utils/gpt.SIZES, the vocabulary of --text or of the help pages); "1b", "8b": THIS GPT (LayerNorm,
-biases, a 4x GELU MLP, learned positions, an untied head) at the widths of Llama 3.2 1B and Llama 3 8B, not Llama
-(RMSNorm, SwiGLU, rotary positions): 1.35e9 and 7.53e9 weights. On CUDA, LayerNorm's statistics are fp32.
+Sizes: "cpu", "gpu" (utils/gpt.SIZES, the vocabulary of --text or of the help pages); "1b", "8b", "70b", "405b"
+(utils/gpt.SHAPES): THIS GPT (LayerNorm, biases, a 4x GELU MLP, learned positions, an untied head) at the shapes of
+Llama 3.2 1B, Llama 3 8B and 70B and Llama 3.1 405B, not Llama (RMSNorm, SwiGLU, rotary positions). On CUDA, LayerNorm's statistics are fp32.
 """
 import argparse
 import dataclasses
@@ -51,7 +51,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from utils.gpt import SIZES, GPTConfig, load_text  # noqa: E402
+from utils.estimates import device_flops, mfu, recomputed_flops, step_time  # noqa: E402
+from utils.gpt import SHAPES, SIZES, load_text  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
 MARGIN = 0.15  # of each GPU's memory, for what the plan leaves out
@@ -66,9 +67,7 @@ ACTIVATION_TOLERANCE = 0.01
 # layouts (vocabulary slices of 12 to 57): the backward's rise exactly 3 slices and 33 bytes a position (the targets
 # as int64, their masks and indices), the forward's 2 or 3 slices and 12 bytes a position.
 LOSS_COPIES, LOSS_PER_POSITION = 3, 40
-BIG = {name: GPTConfig(n_layer=layers, n_head=32, n_embd=width, context=8192, dropout=0.0, lr=3e-4, betas=(0.9, 0.95),
-                       weight_decay=0.1, vocab_size=128256)
-       for name, layers, width in (("1b", 16, 2048), ("8b", 32, 4096))}
+BIG = SHAPES  # the large models' shapes (utils/gpt.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +301,30 @@ def check(records_by_rank, config, layout):
     return [(rank, field, planned, measured)
             for rank, field, planned, measured in compare(records_by_rank, config, layout)
             if abs(planned - measured) > (ACTIVATION_TOLERANCE * measured if field == "activation_bytes" else 0)]
+
+
+def ranked(config, gpus, gpu, batch_size=8, microbatches=8, precision="bf16"):
+    """fit()'s layouts of `gpus` that fit a `gpu` (utils.estimates.GPUS: its memory, peak and links) with tp inside a
+    node, fastest first: [{layout, total, links, compute, bubble, tp, dp, pp, exposed, step, mfu}], the time of a step
+    and its MFU on paper (utils.estimates.step_time), each mesh dimension on its link (NVLink when its ranks are one
+    node's GPUs, else the network; tp innermost, then dp, then pp, as one_mesh.py orders them)."""
+    found = []
+    for layout, total, fits in fit(config, gpus, gpu.memory / GiB, batch_size, microbatches, precision):
+        if not fits or layout.tp > gpu.per_node:
+            continue
+        links = dict(tp="nvlink", dp="network" if layout.tp * layout.dp > gpu.per_node else "nvlink",
+                     pp="network" if layout.tp * layout.dp * layout.pp > gpu.per_node else "nvlink")
+        flops = device_flops(config, layout.batch_size, layout.tp, layout.pp)
+        recomputed = recomputed_flops(config, layout.batch_size, layout.tp, layout.pp) if (
+            layout.checkpoint_activations) else 0.0
+        # The slower of a pipeline's first rank and its last (the head's): every rank waits for it.
+        seconds = max((step_time(flops, gpu, row["tp_bytes"], row["dp_bytes"], row["pp_bytes"], links["tp"],
+                                 links["dp"], links["pp"], layout.pp, layout.microbatches, recomputed=recomputed)
+                       for row in (plan_rank(config, layout, rank) for rank in
+                                   {0, (layout.pp - 1) * layout.dp * layout.tp})), key=lambda time: time["step"])
+        found.append(dict(layout=dataclasses.asdict(layout), total=total, links=links, **seconds,
+                          mfu=mfu(flops, seconds["step"], gpu.flops)))
+    return sorted(found, key=lambda candidate: -candidate["mfu"])
 
 
 COLUMNS = "params grads optim gathered act_mb peak_act logits pipeline loss total pp_bytes dp_bytes tp_bytes".split()

@@ -75,6 +75,14 @@ SIZES = {
     "gpu": GPTConfig(n_layer=6, n_head=8, n_embd=384, context=256, dropout=0.2, lr=1e-3, betas=(0.9, 0.99),
                      weight_decay=0.1),
 }
+# Shapes of large models, to plan jobs for (plan_at_scale.py, tools/memory_plan.py), never trained here: THIS GPT
+# (LayerNorm, biases, a 4x GELU MLP, learned positions, an untied head) at the depths, widths and heads of Llama 3.2 1B,
+# Llama 3 8B and 70B and Llama 3.1 405B, with their vocabulary and a context of 8,192; not Llama (RMSNorm, SwiGLU,
+# rotary positions, grouped keys and values): 1.35e9, 7.53e9, 66.6e9 and 410e9 weights.
+SHAPES = {name: GPTConfig(n_layer=layers, n_head=heads, n_embd=width, context=8192, dropout=0.0, lr=3e-4,
+                          betas=(0.9, 0.95), weight_decay=0.1, vocab_size=128256)
+          for name, layers, heads, width in (("1b", 16, 32, 2048), ("8b", 32, 32, 4096), ("70b", 80, 64, 8192),
+                                             ("405b", 126, 128, 16384))}
 # The mixture-of-experts GPT of each size ("gpt-moe", utils/moe.py): every block's MLP as this many experts of its
 # shape, so the weights grow that many times while a token's compute grows top_k times.
 MOE_EXPERTS = {"cpu": 4, "gpu": 8}

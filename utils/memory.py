@@ -59,8 +59,8 @@ class saved_for_backward(torch.autograd.graph.saved_tensors_hooks):
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             local = local.wait() if hasattr(local, "wait") else local  # an all-gather's result, once it arrived
             storage = local.untyped_storage()
-            if storage.data_ptr() not in self.kept and local.device.type != "meta":  # a shape, not memory
-                self.kept[storage.data_ptr()] = local
+            if storage._cdata not in self.kept and local.device.type != "meta":  # a shape, not memory
+                self.kept[storage._cdata] = local
                 self.bytes += storage.nbytes()
         return tensor
 
