@@ -9,8 +9,9 @@ Each figure is named by the page that shows it (docs/fsdp.md shows figures/fsdp.
 it was drawn from and how busy the machine was. What is drawn comes from the run only: who holds which block of a
 weight is read from the run's sharded snapshot (its .metadata names the file, one per rank, that holds each block),
 the pipeline's passes and the routers' choices from the job runner's recorder (tools/jobs/recorder), the ring's sends
-from its record of every collective, the memory from the tables `--verbose` prints. All seven took 33 minutes on a
-shared 2-core machine at load 20 to 40 (the expert-parallel one, an epoch of the help pages, the longest: 8 minutes).
+from its record of every collective, the memory from the tables `--verbose` prints. The seven of steps 5-11 took 33 minutes on a
+shared 2-core machine at load 20 to 40 (the expert-parallel one, an epoch of the help pages, the longest: 8 minutes);
+the four of steps 1-4 took 2.5 to 8.5 minutes each at load 15 to 38 (step 3's, two restarts, the longest).
 """
 import argparse
 import re
@@ -314,12 +315,13 @@ def torchrun_figure(work):
         elif kind == "kill":
             kill_at = seconds
             axes.axvline(seconds, color="red", linewidth=2)
-            axes.annotate(" " + detail.split(" (")[0], (seconds, attempt + 0.3), color="red", fontsize=8,
+            axes.annotate(" " + detail.split(" (")[0], (seconds, attempt + 0.45), color="red", fontsize=8,
                           va="center")
         elif kind == "resumed":
             axes.axvspan(kill_at, seconds, color="0.88")
             restarts.append(seconds - kill_at)
-            axes.annotate(f"restart: {seconds - kill_at:.1f} s", ((kill_at + seconds) / 2, attempt - 0.62),
+            # On the row of the attempt that died, which ends at the kill: the span's middle is free.
+            axes.annotate(f"restart: {seconds - kill_at:.1f} s", ((kill_at + seconds) / 2, attempt - 1),
                           ha="center", va="center", fontsize=8)
             # Left of the resume, over the restart's span: the epochs after it keep their room.
             axes.annotate(f"resuming from epoch {detail}", (seconds, attempt), xytext=(-4, -2), ha="right",
