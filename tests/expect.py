@@ -81,7 +81,7 @@ PEER_GONE = re.compile(r"^error: rank \d+: (?:a peer is gone \(Connection (?:clo
 
 # torchrun's own goodbye after a multi-node job that ended: the node whose torchrun hosted the rendezvous's store may
 # exit first, and another node's torchrun then prints the store's C++ warning with its frames, before its own log
-# record that it "has failed to shutdown the rendezvous" (docs/multinode.md, Troubleshooting). The launcher's, after
+# record that it "has failed to shutdown the rendezvous" (docs/reference/multinode.md, Troubleshooting). The launcher's, after
 # every worker ended.
 LAUNCHER_GOODBYE = re.compile(r"^\[W\d+ [\d:.]+ TCPStore\.cpp:\d+\] \[c10d\] recvVector failed .*\n"
                               r"(?:(?:Exception raised from |frame #|<omitting python frames>).*\n|\n)*", re.M)

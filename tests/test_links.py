@@ -87,9 +87,12 @@ def test_a_file_named_but_missing_is_found():
 
 DOCS = REPO / "docs"
 # Every step page that is a learner's page has its reference page, docs/reference/<page>.md; these at least.
-STEP_PAGES = ["fsdp.md", "gpt.md", "tensor-parallel.md", "pipeline-parallel.md", "context-parallel.md",
-              "expert-parallel.md", "one-mesh.md", "plan-at-scale.md"]
-LEARNER_PAGES = sorted({*STEP_PAGES, *(page.name for page in (DOCS / "reference").glob("*.md"))})
+STEP_PAGES = ["single-device.md", "ddp.md", "torchrun.md", "multinode.md", "fsdp.md", "gpt.md", "tensor-parallel.md",
+              "pipeline-parallel.md", "context-parallel.md", "expert-parallel.md", "one-mesh.md",
+              "plan-at-scale.md"]
+# The pages of docs/ that teach a topic rather than a step, split the same way: a learner's page and its reference.
+TOPIC_PAGES = ["measure.md"]
+LEARNER_PAGES = sorted({*STEP_PAGES, *TOPIC_PAGES, *(page.name for page in (DOCS / "reference").glob("*.md"))})
 MOST_LINES = 300  # a learner's page reads in ten minutes
 
 
@@ -107,6 +110,24 @@ def test_a_learner_page_is_short_and_links_the_glossary_near_its_top_and_its_ref
     assert f"reference/{name}" in link_targets(page), f"{name} does not link its reference page"
 
 
+def test_every_reference_page_is_a_step_pages_or_a_topic_pages():
+    """A page of docs/reference/ belongs to a learner's page this file knows, so the tests below hold it to its kind."""
+    strays = sorted(set(LEARNER_PAGES) - {*STEP_PAGES, *TOPIC_PAGES})
+    assert not strays, f"docs/reference/ pages of no step and no topic named here: {strays}"
+
+
+def test_the_steps_page_is_short_and_sends_each_step_to_its_learners_page():
+    """docs/steps.md is the path through the steps: a section a step, each linking the step's own page, where the
+    diff and the proofs are one link further."""
+    page = DOCS / "steps.md"
+    lines = page.read_text().splitlines()
+    assert len(lines) <= MOST_LINES, f"steps.md has {len(lines)} lines: a step's depth belongs on its pages"
+    assert "](glossary.md)" in "\n".join(lines[:8]), "steps.md does not link the glossary near its top"
+    unlinked = [name for name in STEP_PAGES if name not in link_targets(page)]
+    assert not unlinked, f"steps.md links no page of {unlinked}"
+    assert "```diff" not in page.read_text(), "the steps' diffs live on their reference pages"
+
+
 @pytest.mark.parametrize("name", LEARNER_PAGES)
 def test_a_reference_page_links_back_to_its_learner_page_and_the_glossary(name):
     reference = DOCS / "reference" / name
@@ -122,7 +143,10 @@ TERMS = ["rank", "local rank", "world size", "process group", "backend", "gloo",
          "context parallelism", "ring attention", "online softmax", "expert", "router", "top-k", "capacity",
          "load-balancing loss", "HSDP", "replica group", "lighthouse", "quorum", "heal", "meta device",
          "seed checkpoint", "activation checkpointing", "DCP", "snapshot", "cursor", "global batch",
-         "gradient accumulation", "bf16 and mixed precision", "MFU", "tokens/s", "torch.compile"]
+         "gradient accumulation", "bf16 and mixed precision", "MFU", "tokens/s", "torch.compile", "node", "rendezvous",
+         "c10d and static rendezvous", "store", "mp.spawn", "elastic training", "DistributedSampler", "epoch",
+         "optimizer step", "held-out loss", "overfitting", "noise floor", "samples/s and scaling efficiency",
+         "checkpoint", "barrier", "attempt"]
 
 
 def glossary_entries():
@@ -142,9 +166,11 @@ def test_the_glossary_defines_every_term_in_a_few_sentences_with_the_page_that_t
 
 
 def test_every_page_of_docs_links_the_glossary():
-    """docs/glossary.md is where a page sends a term it does not teach; the steps' pages and their reference pages
-    link it (the other pages of docs/ are the lead's to link)."""
-    pages = [DOCS / name for name in LEARNER_PAGES] + [DOCS / "reference" / name for name in LEARNER_PAGES]
+    """docs/glossary.md is where a page sends a term it does not teach; the steps' pages and their reference pages,
+    the topic pages split the same way, the path through the steps and the reference link it (the other pages of
+    docs/ are the lead's to link)."""
+    pages = [DOCS / name for name in [*LEARNER_PAGES, "steps.md", "reference.md"]] + [
+        DOCS / "reference" / name for name in LEARNER_PAGES]
     unlinked = [str(page.relative_to(REPO)) for page in pages
                 if not {"glossary.md", "../glossary.md"} & link_targets(page)]
     assert not unlinked, f"pages that do not link the glossary: {unlinked}"
@@ -175,9 +201,10 @@ def test_every_figure_a_page_shows_is_committed_and_tools_figures_draws_it():
             f"docs/{name}.md does not say how its figure is drawn"
 
 
-def test_every_parallelism_page_shows_a_figure_drawn_from_a_run():
+def test_every_step_page_shows_a_figure_drawn_from_a_run():
+    """Steps 1 to 11, each parallelism among them: a learner looks before reading."""
     shown = shown_figures()
-    for name in ["tensor-parallel", "pipeline-parallel", "context-parallel", "expert-parallel", "one-mesh"]:
+    for name in (page.removesuffix(".md") for page in STEP_PAGES):
         assert f"{name}.md" in shown.get(name, []), f"docs/{name}.md shows no figure of docs/figures/"
 
 
@@ -186,7 +213,7 @@ def step_of(page):
     return re.search(r"^# .*\(`(\w+\.py)`\)", page.read_text(), re.M)[1]
 
 
-@pytest.mark.parametrize("name", LEARNER_PAGES)
+@pytest.mark.parametrize("name", STEP_PAGES)
 def test_the_excerpts_a_learner_page_quotes_are_lines_of_the_step_or_of_utils(name):
     """A ```python block of a learner's page is an excerpt: each of its lines is a line of the step script (or of
     utils/, where the step calls it), so a page never teaches code the step no longer has. (A snippet for the learner

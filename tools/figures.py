@@ -9,8 +9,9 @@ Each figure is named by the page that shows it (docs/fsdp.md shows figures/fsdp.
 it was drawn from and how busy the machine was. What is drawn comes from the run only: who holds which block of a
 weight is read from the run's sharded snapshot (its .metadata names the file, one per rank, that holds each block),
 the pipeline's passes and the routers' choices from the job runner's recorder (tools/jobs/recorder), the ring's sends
-from its record of every collective, the memory from the tables `--verbose` prints. All seven took 33 minutes on a
-shared 2-core machine at load 20 to 40 (the expert-parallel one, an epoch of the help pages, the longest: 8 minutes).
+from its record of every collective, the memory from the tables `--verbose` prints. The seven of steps 5-11 took 33 minutes on a
+shared 2-core machine at load 20 to 40 (the expert-parallel one, an epoch of the help pages, the longest: 8 minutes);
+the four of steps 1-4 took 2.5 to 8.5 minutes each at load 15 to 38 (step 3's, two restarts, the longest).
 """
 import argparse
 import json
@@ -27,7 +28,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as `python tools/figures.py`: the repository's packages
 
 from tools import pipeline_timeline  # noqa: E402
-from tools.jobs import machine_summary, output, python, run, shared_file, shown, torchrun  # noqa: E402
+from tools.jobs import (free_port, machine_summary, output, python, run, shared_file, shown, start,  # noqa: E402
+                        torchrun, torchrun_node)
+from tools.jobs.processes import process_env  # noqa: E402
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages  # noqa: E402
 from utils.metrics import RUN_DIR_VARIABLE  # noqa: E402
 
@@ -115,6 +118,283 @@ def ranges(offsets, sizes, shape=None):
     names = ["rows", "cols"]
     return "\n".join(f"{names[dim]} {offsets[dim]}-{offsets[dim] + sizes[dim] - 1}" for dim in range(len(sizes))
                      if shape is None or sizes[dim] != shape[dim])
+
+
+# --- step 1: one device --------------------------------------------------------------------------------------------
+
+def single_device(work, epochs=50, save_every=5):
+    """single_gpu.py for 50 epochs, a checkpoint every 5: the training loss of every epoch (printed), and the held-out
+    loss of every checkpoint, copied as it was saved and scored here on the 512 held-out samples with utils.evaluate."""
+    import torch
+
+    from utils import evaluate, make_workload
+
+    folder = mkdir(work / "single_device")
+    held_out = {}
+    workload = make_workload()
+    with start(python("single_gpu.py", epochs, save_every), cwd=folder) as job:
+        for _ in range(epochs // save_every):
+            saved = job.wait_for(output.SAVED, timeout=900)
+            # The next save comes save_every epochs later: the file is whole and stays so while it is read.
+            weights = torch.load(folder / saved["path"], weights_only=True)
+            workload.model.load_state_dict(weights)
+            held_out[int(saved["epoch"]) + 1] = evaluate(workload.model, workload.eval_set, workload.loss_fn,
+                                                         torch.device("cpu"))["loss"]
+        job.wait(timeout=900)
+    assert job.ok, job.output[-2000:]
+    training = {epoch + 1: loss for epoch, loss in job.losses.items()}
+    final = output.held_out(job.output)["loss"]
+
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(11, 4.4))
+    axes.plot(list(training), list(training.values()), "o-", color="tab:blue", markersize=3,
+              label="training loss of each epoch (printed)")
+    axes.plot(list(held_out), list(held_out.values()), "s-", color="tab:orange", markersize=6,
+              label="held-out loss of each checkpoint (512 samples it never trained on)")
+    axes.axhline(0.01, color="gray", linestyle="--", linewidth=1)
+    axes.text(epochs, 0.0105, "the noise floor, 0.01: no model does better on new samples", ha="right", va="bottom",
+              fontsize=8, color="gray")
+    best = min(held_out, key=held_out.get)
+    axes.annotate(f"lowest held-out loss: {held_out[best]:.4f}\nafter epoch {best}", (best, held_out[best]),
+                  xytext=(best + 3, held_out[best] * 2.2), fontsize=8, arrowprops=dict(arrowstyle="->"))
+    axes.set(yscale="log", xlabel="epochs trained", ylabel="mean squared error (log scale)", xlim=(0, epochs + 1),
+             title="the training loss goes on falling, below the noise floor; the held-out loss stops improving: "
+                   "the model learns the noise of its 2,048 samples")
+    axes.title.set_fontsize(9)
+    axes.grid(alpha=0.3, which="both")
+    axes.legend(fontsize=8, loc="lower left")  # the upper right holds the lowest held-out loss's note
+    figure.suptitle("single_gpu.py: a small MLP learns a teacher network's outputs from 2,048 noisy samples",
+                    fontsize=10)
+    return figure, job, dict(training=training, held_out=held_out, final=final)
+
+
+# --- step 2: DDP -----------------------------------------------------------------------------------------------------
+
+def one_process_losses(batch_size, epochs):
+    """single_gpu.py's Trainer, in this process, fed batches of `batch_size` in the order a DistributedSampler deals
+    the samples (one replica: the whole shuffled order, which 2 ranks split as positions r, r + 2, ...): the loss of
+    every step, and the order of every epoch."""
+    import torch
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    import single_gpu
+    from utils import make_workload
+
+    workload = make_workload()
+    loader = DataLoader(workload.train_set, batch_size=batch_size,
+                        sampler=DistributedSampler(workload.train_set, num_replicas=1, rank=0))
+    trainer = single_gpu.Trainer(workload.model, loader, workload.optimizer, workload.loss_fn, torch.device("cpu"),
+                                 save_every=epochs)
+    losses, orders = [], []
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        orders.append(list(loader.sampler))
+        losses += [trainer._run_batch(source, targets).item() for source, targets in loader]
+    return losses, orders
+
+
+def ddp(work, epochs=4, positions=20):
+    """multigpu.py on 2 processes, batch 32 each, every pass over the data recorded (the samples each rank trained on,
+    in order, and the loss of each of its steps) and every optimizer step (DDP's gradient all-reduces); against
+    single_gpu.py's Trainer fed batches of 64 in the order the sampler dealt them, in this process, and single_gpu.py
+    run with batch 64 and its own shuffle."""
+    job = run(python("multigpu.py", epochs, epochs), cwd=mkdir(work / "multigpu"), record_steps=True, timeout=900)
+    alone = run(python("single_gpu.py", epochs, epochs, "--batch_size", 64), cwd=mkdir(work / "single_gpu"),
+                record=True, timeout=900)
+    passes = {(row["rank"], row["epoch"]): row for row in job.samples}
+    ranks = sorted({rank for rank, _ in passes})
+    # The order the sampler dealt in each epoch: rank r trained on positions r, r + 2, r + 4...
+    dealt = {epoch: [passes[position % 2, epoch]["indices"][position // 2] for position in range(2 * positions)]
+             for epoch in range(epochs)}
+    reference, orders = one_process_losses(64, epochs)
+    assert all(orders[epoch][:2 * positions] == dealt[epoch] for epoch in range(epochs)), "not the sampler's order"
+    per_rank = {rank: [loss for epoch in range(epochs) for loss in passes[rank, epoch]["losses"]] for rank in ranks}
+    mean = [sum(losses) / len(losses) for losses in zip(*per_rank.values())]
+    own_shuffle = [loss for row in sorted(alone.samples, key=lambda row: row["number"]) for loss in row["losses"]]
+    steps = job.steps
+    rounds = Counter(step["rounds"] for step in steps if step["rank"] == 0)
+    equal_params = all(passes[0, epoch]["params"] == passes[1, epoch]["params"] for epoch in range(epochs))
+
+    plt = pyplot()
+    figure = plt.figure(figsize=(12, 6.6))
+    grid = figure.add_gridspec(2, 1, height_ratios=[1, 1.6])
+    deal = figure.add_subplot(grid[0])
+    for row, epoch in enumerate(range(2)):
+        for position, index in enumerate(dealt[epoch]):
+            deal.add_patch(plt.Rectangle((position, row), 0.94, 0.8, facecolor=RANK_COLORS[position % 2], alpha=0.7,
+                                         edgecolor="black", linewidth=0.5))
+            deal.text(position + 0.47, row + 0.4, str(index), ha="center", va="center", fontsize=7)
+    deal.set(xlim=(0, 2 * positions), ylim=(2, -0.15), xlabel="position in the epoch's shuffled order (the first "
+             f"{2 * positions} of 2,048)", title="DistributedSampler deals one shuffled order, position by position: "
+             "rank 0 (blue) gets positions 0, 2, 4..., rank 1 (orange) 1, 3, 5...; set_epoch(epoch) shuffles anew")
+    deal.set_yticks([0.4, 1.4], ["epoch 0", "epoch 1"])
+    deal.set_xticks([])
+    deal.title.set_fontsize(9)
+    losses = figure.add_subplot(grid[1])
+    numbers = range(1, len(mean) + 1)
+    for rank in ranks:
+        losses.plot(numbers, per_rank[rank], color=RANK_COLORS[rank], linewidth=0.7, alpha=0.6,
+                    label=f"rank {rank}: the loss of its own 32 samples")
+    losses.plot(numbers, reference, color="tab:green", linewidth=5, alpha=0.35,
+                label="one process (single_gpu.py's Trainer), batch 64 in the sampler's order")
+    losses.plot(numbers, mean, color="black", linewidth=0.9, linestyle="--",
+                label="the two ranks' mean: on the green line, step for step")
+    losses.plot(numbers, own_shuffle, color="gray", linewidth=0.8, alpha=0.8,
+                label="single_gpu.py --batch_size 64: the same samples in its own shuffle (close, not equal)")
+    gap = max(abs(a - b) / b for a, b in zip(mean, reference))
+    counted = (f"once in each of the {len(mean)} steps" if set(rounds) == {1} else
+               ", ".join(f"{times} times in {count} steps" for times, count in sorted(rounds.items())))
+    losses.set(yscale="log", xlabel="optimizer step (32 an epoch)", ylabel="loss (log scale)",
+               title=f"every step: the ranks' losses differ (other samples), their mean is one process's loss on the "
+                     f"64 together (largest difference {gap:.0e});\nDDP all-reduced the gradients {counted} "
+                     f"(recorded); the two ranks' weights were equal after every epoch: {equal_params}")
+    losses.title.set_fontsize(9)
+    losses.grid(alpha=0.3, which="both")
+    losses.legend(fontsize=8, loc="upper right")
+    for epoch in range(1, epochs):
+        losses.axvline(epoch * len(mean) // epochs + 0.5, color="gray", linestyle=":")
+    figure.suptitle("multigpu.py, 2 ranks of batch 32: each rank its own half of every epoch, and together one "
+                    "process's steps with batch 64", fontsize=10)
+    return figure, [job, alone], dict(dealt={epoch: dealt[epoch] for epoch in range(2)}, gap=gap,
+                                      rounds=dict(rounds), equal_params=equal_params, steps=len(mean))
+
+
+# --- step 3: torchrun, restarts and snapshots -------------------------------------------------------------------------
+
+def attempts(job):
+    """The events of a torchrun job that was killed and restarted, from its timeline: [(seconds, attempt, kind,
+    detail)] with kind "epoch" (rank 0 finished it), "saved", "kill" or "resumed" (rank 0 resumed from that epoch)."""
+    events, attempt = [], 0
+    for seconds, _, text in job.timeline:
+        epoch, saved, resumed = (pattern.search(text) for pattern in (output.EPOCH, output.SAVED, output.RESUMED))
+        if epoch:
+            events.append((seconds, attempt, "epoch", int(epoch["epoch"])))
+        elif saved:
+            events.append((seconds, attempt, "saved", int(saved["epoch"])))
+        elif text.startswith("SIGKILL"):
+            events.append((seconds, attempt, "kill", text))
+        elif resumed and resumed["rank"] == "0":
+            attempt = int(resumed["restart"])
+            events.append((seconds, attempt, "resumed", int(resumed["epoch"])))
+    return events
+
+
+def torchrun_figure(work):
+    """multigpu_torchrun.py on 2 processes under torchrun --max_restarts=2, 6 epochs of batch 8 and a snapshot every
+    3: rank 0 SIGKILLed right after the snapshot of epoch 2, rank 1 of the restarted job once it finished epoch 4;
+    the epochs, snapshots, kills and resumes as the job printed them, in time."""
+    command = torchrun("multigpu_torchrun.py", 6, 3, "--batch_size", 8, launcher_args=["--max_restarts=2"])
+    with start(command, cwd=mkdir(work / "torchrun"), record=True) as job:
+        job.wait_for(r"epoch 2 \| snapshot saved", timeout=900)
+        job.kill_worker(rank=0)
+        job.wait_for(r"resuming from epoch 3, restart 1", timeout=900)
+        job.wait_for(r"\] epoch 4 \| steps", timeout=900)
+        job.kill_worker(rank=1, restart=1)
+        job.wait(timeout=900)
+    assert job.ok, job.output[-2000:]
+    events = attempts(job)
+    finished_in = {}
+    for _, attempt, kind, epoch in events:
+        if kind == "epoch":
+            finished_in.setdefault(epoch, []).append(attempt)
+    lost = sorted(epoch for epoch, runs in finished_in.items() if len(runs) > 1)
+    last = max(attempt for _, attempt, _, _ in events)
+
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(12, 3.9))
+    kill_at, restarts = None, []
+    for seconds, attempt, kind, detail in events:
+        color = RANK_COLORS[attempt]
+        if kind == "epoch":
+            thrown = attempt != finished_in[detail][-1]
+            axes.plot(seconds, attempt, "o", color=color, markerfacecolor="white" if thrown else color, markersize=9)
+            axes.annotate(str(detail), (seconds, attempt), textcoords="offset points", xytext=(0, 8), ha="center",
+                          fontsize=8)
+        elif kind == "saved":  # just below the epoch's circle, which it follows by milliseconds
+            axes.plot(seconds, attempt + 0.22, "v", color="black", markersize=7)
+        elif kind == "kill":
+            kill_at = seconds
+            axes.axvline(seconds, color="red", linewidth=2)
+            axes.annotate(" " + detail.split(" (")[0], (seconds, attempt + 0.45), color="red", fontsize=8,
+                          va="center")
+        elif kind == "resumed":
+            axes.axvspan(kill_at, seconds, color="0.88")
+            restarts.append(seconds - kill_at)
+            # On the row of the attempt that died, which ends at the kill: the span's middle is free.
+            axes.annotate(f"restart: {seconds - kill_at:.1f} s", ((kill_at + seconds) / 2, attempt - 1),
+                          ha="center", va="center", fontsize=8)
+            # Left of the resume, over the restart's span: the epochs after it keep their room.
+            axes.annotate(f"resuming from epoch {detail}", (seconds, attempt), xytext=(-4, -2), ha="right",
+                          va="center", textcoords="offset points", fontsize=8, color=color)
+    axes.set(xlabel="seconds since torchrun started", ylim=(last + 0.7, -0.8),
+             xlim=(0, job.timeline[-1][0] * 1.02),
+             title=f"a kill right after a snapshot loses nothing; a kill two epochs after one loses those epochs "
+                   f"({', '.join(map(str, lost))}: hollow), which the next attempt trains again")
+    axes.set_yticks(range(last + 1), [f"attempt {attempt}\n(restart {attempt})" for attempt in range(last + 1)],
+                    fontsize=8)
+    axes.title.set_fontsize(9)
+    axes.plot([], [], "o", color="gray", label="an epoch rank 0 finished (its number above)")
+    axes.plot([], [], "o", color="gray", markerfacecolor="white", label="an epoch lost to a kill, trained again")
+    axes.plot([], [], "v", color="black", label="snapshot saved")
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the attempts, not over them
+    axes.grid(axis="x", alpha=0.3)
+    figure.suptitle("multigpu_torchrun.py under torchrun --max_restarts=2: a worker SIGKILLed twice; torchrun starts "
+                    "both workers again, and they resume from the last snapshot", fontsize=10)
+    return figure, job, dict(events=events, lost=lost, restarts=restarts, resumes=job.resumes)
+
+
+# --- step 4: several machines ----------------------------------------------------------------------------------------
+
+def multinode(work, per_node=2):
+    """multinode.py as two torchrun "nodes" of 2 processes each on this machine, meeting at a c10d rendezvous on
+    127.0.0.1: each worker's RANK, LOCAL_RANK and node read from its environment while it ran, the samples each rank
+    trained on in epoch 0 (recorded), which rank wrote the snapshot, and the lines each node's terminal showed."""
+    node_command = torchrun_node("multinode.py", 3, 3, nnodes=2, nproc=per_node,
+                                 endpoint=f"127.0.0.1:{free_port()}", run_id="figure")
+    places = {}  # global rank -> (node, local rank, pid)
+    with start(node_command, node_command, cwd=mkdir(work / "multinode"), record=True) as job:
+        for node in (0, 1):
+            for rank, pid in job.workers(node=node, nproc=per_node, timeout=900).items():
+                environment = process_env(pid)
+                places[rank] = (node, int(environment["LOCAL_RANK"]), pid, environment["GROUP_RANK"])
+        job.wait(timeout=900)
+    assert job.ok, job.output[-2000:]
+    writers = job.writers()[0]
+    first = {row["rank"]: row["indices"] for row in job.samples if row["epoch"] == 0}
+    printed = {node: [line for line in job.node_output(node).splitlines() if line.startswith("[rank")]
+               for node in (0, 1)}
+
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(12, 4.6))
+    width = 5.6
+    for node in (0, 1):
+        left = node * (width + 0.4)
+        axes.add_patch(plt.Rectangle((left, 0), width, 2.55, fill=False, linewidth=1.5))
+        group_rank = next(place[3] for place in places.values() if place[0] == node)
+        axes.text(left + width / 2, 2.38, f"node {node}: the torchrun started {'first' if node == 0 else 'second'} "
+                                          f"(the rendezvous made it node {group_rank})", ha="center", fontsize=9)
+        mine = sorted((local, rank, pid) for rank, (n, local, pid, _) in places.items() if n == node)
+        for local, rank, pid in mine:
+            x = left + 0.15 + local * (width - 0.15) / per_node
+            axes.add_patch(plt.Rectangle((x, 0.75), (width - 0.15) / per_node - 0.15, 1.45,
+                                         facecolor=RANK_COLORS[rank], alpha=0.3, edgecolor="black"))
+            text = (f"RANK {rank}   LOCAL_RANK {local}\n(pid {pid})\nepoch 0: samples\n"
+                    + ", ".join(map(str, first[rank][:3])) + ", ...\n" + f"({len(first[rank])} of them)"
+                    + ("\nwrites snapshot.pt" if rank in writers else ""))
+            axes.text(x + ((width - 0.15) / per_node - 0.15) / 2, 1.47, text, ha="center", va="center", fontsize=8)
+        lines = printed[node]
+        axes.text(left + 0.15, 0.38, f"its terminal: {len(lines)} lines of the step"
+                  + (f', e.g. "{lines[0].split("] ")[0]}] ..."' if lines else " (its workers train as hard)"),
+                  fontsize=8, va="center", family="monospace")
+    axes.set(xlim=(-0.1, 2 * width + 0.5), ylim=(-0.05, 2.7))
+    axes.axis("off")
+    axes.set_title("LOCAL_RANK numbers the processes of a node (it picks the GPU); RANK numbers those of the job "
+                   "(it picks the one writer and the one that prints)", fontsize=9)
+    figure.suptitle("multinode.py on two torchrun nodes of 2 processes each, one c10d rendezvous: the ranks as the "
+                    "workers' environment gave them", fontsize=10)
+    return figure, job, dict(places=places, writers=writers, printed={node: len(lines) for node, lines in
+                                                                       printed.items()})
 
 
 # --- step 5: FSDP ----------------------------------------------------------------------------------------------------
@@ -541,7 +821,8 @@ def plan_at_scale(work, world=1024, pp=8, tp=8):
 # --- drawing them ----------------------------------------------------------------------------------------------------
 
 # Each figure, by the page that shows it (docs/<page>.md shows figures/<page>.png).
-FIGURES = {"fsdp": fsdp, "gpt": gpt, "tensor-parallel": tensor_parallel, "pipeline-parallel": pipeline_parallel,
+FIGURES = {"single-device": single_device, "ddp": ddp, "torchrun": torchrun_figure, "multinode": multinode,
+           "fsdp": fsdp, "gpt": gpt, "tensor-parallel": tensor_parallel, "pipeline-parallel": pipeline_parallel,
            "context-parallel": context_parallel, "expert-parallel": expert_parallel, "one-mesh": one_mesh,
            "plan-at-scale": plan_at_scale}
 
