@@ -13,7 +13,9 @@ import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-PREFIX = "ddpt"  # every namespace and link this project creates starts with it
+# Every namespace and link this project creates starts with it ($NETNS_PREFIX: where several copies of the project
+# share one machine, each its own).
+PREFIX = os.environ.get("NETNS_PREFIX", "ddpt")
 
 
 @dataclass
