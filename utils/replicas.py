@@ -31,10 +31,6 @@ from torchft.checkpointing import CheckpointTransport
 from utils.helpers import replacing
 from utils.launch import SPEAKER_GRACE_S
 
-# What a header may declare: the dtypes of a model's and an optimizer's state, by name.
-DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool)}
 JSON_VALUES = (type(None), bool, int, float, str)
 MOST_HEADER_BYTES = 64 * 2**20
 
@@ -97,7 +93,10 @@ def result_record(full_path):
     record_path = f"{os.path.splitext(full_path)[0]}.json"
     try:
         with open(record_path) as file:
-            return json.load(file)
+            record = json.load(file)
+        if not (isinstance(record, dict) and all(type(record.get(key)) is int for key in ("steps", "batches"))):
+            raise ValueError("not a record of steps and batches")
+        return record
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as error:
