@@ -7,12 +7,8 @@ A command with `--nproc_per_node=gpu` runs on nodes of 8 GPUs, the usual server 
 of its job, up to the moment it would start working (its process group's store, mp.spawn, or the workload): nothing
 is trained, no process is started. The generated diff blocks are left out (their commands are the scripts' docstrings,
 checked as such)."""
-import ast
-import re
 import runpy
-import shlex
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,57 +16,8 @@ import torch
 import utils
 import utils.loop
 from tools import stepdiff
-from tools.jobs import REPO, script
-
-GPUS_PER_NODE = 8
-LAUNCHERS = {"torchrun": "torchrun", "...": "torchrun", "python": "python", "python3": "python"}
-
-
-def pages():
-    """{where: text} of the README, the docs (less their generated diff blocks) and each step's docstring."""
-    texts = {str(page.relative_to(REPO)): stepdiff.BLOCK.sub("", page.read_text()) for page in stepdiff.pages()}
-    for name in stepdiff.steps():
-        texts[name] = ast.get_docstring(ast.parse((REPO / name).read_text()))
-    return texts
-
-
-def shown_commands():
-    """[(where, command)]: every command that runs a step with its epochs (a launcher, torchrun, python or `...`, the
-    README's short form of `torchrun --standalone`, then a step script and its TOTAL_EPOCHS and SAVE_EVERY), from the
-    lines of code blocks and docstrings (continuation lines joined) and from inline code spans (which may wrap)."""
-    steps = "|".join(map(re.escape, stepdiff.steps()))
-    runs_a_step = re.compile(rf"(?:^|[\s$])(?:torchrun|python3?|\.\.\.)(?=\s).*?[\s/\"](?:{steps})\"?"
-                             r"\s+[^-\s]+\s+[^-\s]")
-    found = []
-    for where, text in pages().items():
-        blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S) if where.endswith(".md") else [text]
-        prose = re.sub(r"^```[a-z]*\n.*?^```", "", text, flags=re.M | re.S) if where.endswith(".md") else ""
-        lines = [line for block in blocks for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
-        spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)]
-        commands = [re.sub(r"\s#\s.*", "", command).strip() for command in lines + spans]  # less a shell comment
-        found += [(where, command) for command in commands if runs_a_step.search(command)]
-    return found
-
-
-def parsed(command):
-    """(script, its arguments, launcher, processes per node, nodes, GPUs) of a shown command."""
-    tokens = shlex.split(command.split("&&")[-1].lstrip("$ "), comments=True)
-    start = next(i for i, token in enumerate(tokens) if token in LAUNCHERS)
-    launcher, tokens = LAUNCHERS[tokens[start]], tokens[start:]
-    at = next(i for i, token in enumerate(tokens) if Path(token).name in stepdiff.steps())
-    options = " ".join(tokens[1:at])
-    if launcher == "python" and options.startswith("-m torch.distributed.run"):
-        launcher = "torchrun"
-    per_node = re.search(r"--nproc[_-]per[_-]node[= ](\S+)", options)
-    # `torchrun ...` elides the launcher's options: the README's `--standalone --nproc_per_node=2`
-    per_node = per_node[1] if per_node else "2" if "..." in tokens[:at + 1] else "1"
-    nodes = re.search(r"--nnodes[= ](?:\d+:)?(\d+)", options)
-    gpus = per_node == "gpu"
-    # Placeholders for the epochs (TOTAL_EPOCHS, N): any number does.
-    arguments = ["2" if index < 2 and re.fullmatch(r"[A-Z][A-Z_]*", value) else value
-                 for index, value in enumerate(tokens[at + 1:])]
-    return (Path(tokens[at]).name, arguments, launcher, GPUS_PER_NODE if gpus else int(per_node),
-            int(nodes[1]) if nodes else 1, gpus)
+from tools.jobs import script
+from tools.shown_commands import parsed, readme_gpu_column, shown_commands
 
 
 class Accepted(BaseException):
@@ -114,7 +61,8 @@ def run_until_it_starts(monkeypatch, tmp_path, command):
     raise AssertionError(f"{command}: ran to its end without starting its work")
 
 
-COMMANDS = shown_commands()
+# With the README's GPU column, whose short forms (`... --nproc_per_node=gpu ... --bf16`) complete to commands too.
+COMMANDS = list(dict.fromkeys(shown_commands() + readme_gpu_column()))
 
 
 def test_the_commands_are_found_in_every_page_that_shows_them():
@@ -133,6 +81,17 @@ def test_every_shown_command_is_accepted_on_the_machine_it_is_shown_for(monkeypa
     stop = run_until_it_starts(monkeypatch, tmp_path, command)
     assert stop is None, f"{where}: `{command}` stops: {stop} {capsys.readouterr().err.strip()[-300:]}"
     assert list(tmp_path.iterdir()) == [], "nothing may be written before the work starts"
+
+
+def test_the_readmes_gpu_column_completes_its_short_forms_from_the_cpu_column():
+    column = [command for _, command in readme_gpu_column()]
+    assert column[:4] == ["python single_gpu.py 50 10", "python multigpu.py 50 10",  # "same", and step 2's own
+                          "torchrun --standalone --nproc_per_node=gpu multigpu_torchrun.py 50 10",
+                          "torchrun --standalone --nproc_per_node=gpu fsdp.py 50 10 --bf16"]
+    assert column[-1] == ("torchrun --standalone --nproc_per_node=gpu fault_tolerant.py 50 10 --group 0 --groups 2 "
+                          "--lighthouse http://127.0.0.1:29510")
+    # every step of the table but step 4, whose CPU column shows no command (one torchrun per node, on its page)
+    assert sorted(parsed(command)[0] for command in column) == sorted(set(stepdiff.steps()) - {"multinode.py"})
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

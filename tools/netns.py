@@ -13,9 +13,9 @@ import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-# Every namespace and link this project creates starts with it ($NETNS_PREFIX: where several copies of the project
-# share one machine, each its own).
-PREFIX = os.environ.get("NETNS_PREFIX", "ddpt")
+# Every namespace and link this project creates starts with it (TUTORIAL_NETNS_PREFIX gives another: several people
+# testing on one machine then tell theirs apart).
+PREFIX = os.environ.get("TUTORIAL_NETNS_PREFIX", "ddpt")
 
 
 @dataclass
