@@ -648,3 +648,21 @@ def test_the_pages_say_what_reaching_torchfts_ports_means_and_start_the_lighthou
     for command in shown:
         assert command.startswith("RUST_LOG=warn torchft_lighthouse --") and "--bind " in command, command
         assert not re.search(r"--bind (?:0\.0\.0\.0|\[::\])", command), command
+
+
+def test_the_exports_record_is_read_only_as_steps_and_batches(tmp_path):
+    """What a group reads beside ft_model_full.pt to decide whether the job has finished, and whether its own result
+    may replace the one there: none, a record of whole steps and batches, or one line that says to move it away (a
+    record of anything else would have made a group skip training, or keep or replace a result, on a guess)."""
+    from utils.replicas import result_record
+    full = tmp_path / "ft_model_full.pt"
+    assert result_record(full) is None
+    record = tmp_path / "ft_model_full.json"
+    record.write_text('{"steps": 66, "batches": 132}')
+    assert result_record(full) == {"steps": 66, "batches": 132}
+    for wrong in ("[66, 132]", '{"steps": "66", "batches": 132}', '{"steps": 66}', '{"steps": 66, "batches": 1.5}',
+                  "66 steps"):
+        record.write_text(wrong)
+        with pytest.raises(SystemExit, match=rf"^error: cannot read {re.escape(str(record))} \(.*\): move it away, "
+                                             rf"with {re.escape(str(full))}$"):
+            result_record(full)
