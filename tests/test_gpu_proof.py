@@ -132,8 +132,9 @@ def test_without_a_gpu_it_stops_with_one_line_and_writes_nothing(tmp_path):
 def test_make_gpu_proof_installs_nothing_and_runs_on_the_python_there_is(tmp_path):
     """A GPU machine lent for minutes has its own torch and may reach no registry: no .venv built, no pip."""
     def made(*variables):
-        return subprocess.run(["make", "-n", "-B", "gpu-proof", *variables], cwd=gpu_proof.REPO, capture_output=True,
-                              text=True, check=True).stdout
+        # --no-print-directory: under `make test` this make is a sub-make, which would name its folder around the lines
+        return subprocess.run(["make", "--no-print-directory", "-n", "-B", "gpu-proof", *variables], cwd=gpu_proof.REPO,
+                              capture_output=True, text=True, check=True).stdout
 
     assert made(f"PY={tmp_path}/none", "PYTHON=python3") == "python3 benchmarks/gpu_proof.py \n"
     assert made(f"PY={tmp_path}/none", "OUT=here") == "python3 benchmarks/gpu_proof.py --out here\n"

@@ -191,6 +191,21 @@ def replica_facts(job):
                 end=steps[0][last])
 
 
+DDP_STEPS = ("multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py")
+
+
+def same_computation(jobs):
+    """What steps 2 to 5's last losses show: the same numbers mean the same computation, whatever starts the ranks."""
+    last = {step: jobs[step].losses[max(jobs[step].losses)] for step in DDP_STEPS}
+    if max(last.values()) - min(last.values()) < 1e-4:  # float sums in another order may differ in the last digits
+        return (f"\nSteps 2 to 5 end at the same loss ({last['multigpu.py']:.4f}): the same ranks, each on the same "
+                "share of the data, average the same gradients. mp.spawn, torchrun, two nodes or FSDP's shards change "
+                "how the ranks are started and where the weights live, not what they compute.")
+    said = ", ".join(f"{step} {loss:.4f}" for step, loss in last.items())
+    return (f"\nSteps 2 to 5 end at different losses ({said}): compare their commands above (the "
+            "number of ranks, the precision): each averaged a different batch.")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--timeout", type=int, default=300, help="seconds each step may take")
@@ -289,6 +304,7 @@ def main():
             (first, start), (last, end) = min(lines.items()), max(lines.items())
             print(f"{step:22} loss {start['loss']:.4f} (step {first}) -> {end['loss']:.4f} (step {last}); held-out "
                   f"{before[1]:.4f} (step {before[0]}) -> {after[1]:.4f} (step {after[0]})")
+    print(same_computation(jobs))
     for steps, text in output.samples(jobs["gpt.py"].output):
         print(f"\nWhat the GPT writes after {steps} optimizer steps:\n{text}")
     return jobs, fault
