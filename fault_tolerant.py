@@ -1,12 +1,14 @@
 """Step 13 - replica groups that train on when one dies (torchft): each group one torchrun, FSDP inside (HSDP).
 
-    torchft_lighthouse --min_replicas 1 --bind 0.0.0.0:29510            # once, on a machine LIGHTHOUSE
+    RUST_LOG=warn torchft_lighthouse --min_replicas 1 --bind LIGHTHOUSE:29510   # once; LIGHTHOUSE: its address
     torchrun --nproc_per_node=gpu fault_tolerant.py 50 10 --group 0 --groups 2 --lighthouse http://LIGHTHOUSE:29510
     torchrun --nproc_per_node=gpu fault_tolerant.py 50 10 --group 1 --groups 2 --lighthouse http://LIGHTHOUSE:29510
 """
 import argparse
 import functools
+import math
 import os
+import time
 from datetime import timedelta
 
 # torchft's Rust side logs every quorum (hundreds of lines a minute): it reads RUST_LOG once, as it loads.
@@ -29,6 +31,8 @@ from utils.snapshot_reader import SnapshotReader
 from utils import require_same_arguments, require_same_start
 from utils import exists_on_any_rank, log_memory, require_torch_for_fsdp
 from utils import non_negative_int, quiet_torchft, weights_digest
+from utils.launch import errors_said_once, stop_once
+from utils.replicas import CheckpointOverHTTP, bind_torchft_to, reach_the_lighthouse, result_record, save_result
 
 
 def ddp_setup(timeout_s):
@@ -43,7 +47,7 @@ def ddp_setup(timeout_s):
 
 
 class Trainer:
-    def __init__(self, model, train_data, make_optimizer, loss_fn, device, save_every, snapshot_path, fsdp, args):
+    def __init__(self, model, train_data, make_optimizer, loss_fn, device, save_every, snapshot_path, fsdp, args, host):
         # LOCAL_RANK numbers the processes of this node (it picks the GPU); RANK numbers those of this group.
         self.local_rank = int(os.environ["LOCAL_RANK"])
         self.global_rank = int(os.environ["RANK"])
@@ -62,36 +66,49 @@ class Trainer:
         # Each group its own snapshot: any one of them can resume alone.
         self.snapshot_path = f"{snapshot_path}-group{args.group}"
         self.verbose, self.arguments = args.verbose, [args.total_epochs, args.batch_size, args.groups, args.workload]
+        self.group, self.groups, self.timeout = args.group, args.groups, args.timeout
+        self.result_path = os.path.join(os.path.dirname(snapshot_path), "ft_model_full.pt")  # beside the snapshots
+        # A group that torchrun started again has lost what it trained since its snapshot: it must not lead a quorum
+        # until it has trained a step with a group that holds the job's steps (_quorum_holds_the_job).
+        self.holds_the_job = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
         # Rank 0 serves the group's Manager, which meets the other groups at the lighthouse; the other ranks read its
         # address after the barrier, not one that rank 0 of the attempt before a restart left in torchrun's store.
-        self.manager = self._make_manager(args) if self.global_rank == 0 else None
+        self.manager = self._make_manager(args, host) if self.global_rank == 0 else None
         dist.barrier()
-        self.manager = self.manager or self._make_manager(args)
+        self.manager = self.manager or self._make_manager(args, host)
         # Its step() steps only if every group of the step's quorum did all its all-reduces.
         self.ft_optimizer = Optimizer(self.manager, self.optimizer)
         # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
         self.epochs_run = self._load_snapshot() if exists_on_any_rank(self.snapshot_path, device) else 0
         require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
 
-    def _make_manager(self, args):
+    def _make_manager(self, args, host):
         timeout = timedelta(seconds=args.timeout)
         process_group = (ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo)(timeout)
+        # A healing rank reads a healthy rank's state as raw tensors and JSON, checked against its own state (what
+        # torchft sends: ours under "user", its step count under "torchft") before it loads any of it; torchft's own
+        # transports unpickle what they receive. The server listens on `host`, the interface toward the lighthouse.
+        transport = CheckpointOverHTTP(host, timeout, expected=lambda: dict(user=dict(default=self._state()),
+                                                                            torchft=self.manager.state_dict()))
         # The quorum before the forward, not beside it: a group that is behind heals before it reads its batch, and the
         # state a healthy group sends is read while its model is at rest. Every group starts from the same seeded
         # weights: none has to copy them at step 0 (init_sync).
         return Manager(process_group, load_state_dict=self._heal, state_dict=self._state, min_replica_size=1,
                        replica_id=f"group{args.group}", lighthouse_addr=args.lighthouse, use_async_quorum=False,
-                       init_sync=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+                       init_sync=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                       hostname=host, checkpoint_transport=transport)
 
     def _state(self):
         # What a healthy group sends one that is behind: each rank its shards, to the same rank of the other group.
         return dict(zip(["MODEL", "OPTIMIZER"], get_state_dict(self.model, self.optimizer)), ARGS=self.arguments)
 
     def _heal(self, sent):
-        # A group that is behind (restarted, or new) loads it, then trains the step with the others.
+        # A group that is behind (restarted, or new) loads it, then trains the step with the others. Other arguments
+        # make another job: no restart changes them, so only torchrun's first attempt says it (rank 0).
         if sent["ARGS"] != self.arguments:
-            raise SystemExit(f"error: this group has TOTAL_EPOCHS, --batch_size, --groups, --workload {self.arguments}"
-                             f", the running groups {sent['ARGS']}: start it with the arguments they had")
+            stop_once(f"error: this group has TOTAL_EPOCHS, --batch_size, --groups, --workload {self.arguments}, the "
+                      f"running groups {sent['ARGS']}: start it with the arguments they had",
+                      here=self.global_rank == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0")
         set_state_dict(self.model, self.optimizer, model_state_dict=sent["MODEL"], optim_state_dict=sent["OPTIMIZER"])
         if self.global_rank == 0:
             print(f"{self.tag} healed at step {self.manager.current_step()} from a healthy group, not from disk")
@@ -111,11 +128,33 @@ class Trainer:
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
         return epochs_run
 
+    def _quorum_holds_the_job(self):
+        # torchft heals every group of a quorum toward its highest step. A quorum of groups that all came back without
+        # the job's steps (their torchrun restarted them while the others hang, say) would train from an older state
+        # and, once ahead, make the job's groups heal from it: their steps lost without a word. So such a quorum waits,
+        # unless every group of the job is in it. The all-reduce tells each group of the quorum the same answer.
+        holders = torch.tensor([float(self.holds_the_job)], device=self.device)
+        self.manager.allreduce(holders).wait()
+        return holders.item() > 0 or self.manager.num_participants() >= self.groups or self.manager.errored()
+
+    def _wait_for_the_job(self, step, since):
+        # Loud, and bounded: one line when the wait begins; after --timeout, the group stops.
+        if since is None and self.global_rank == 0:
+            print(f"{self.tag} step {step}: no group of this quorum holds the job's steps (each was restarted by "
+                  f"torchrun), so none leads: waiting up to --timeout {self.timeout} s for a group that does")
+        if since is not None and time.monotonic() - since > self.timeout:
+            stop_once(f"error: group {self.group}: no group that holds the job's steps came within --timeout "
+                      f"{self.timeout} s: they have finished, hang, or are gone, and this group trained nothing; to go "
+                      "on from the snapshots without them, start every group again", here=self.global_rank == 0)
+        time.sleep(1)
+        return since or time.monotonic()
+
     def _run_batch(self, source, targets):
         loss = self.loss_fn(self.model(source), targets)
         loss.backward()
         # The step's loss over every sample: averaged over the group's ranks, then over the groups of the quorum.
-        dist.all_reduce(loss := loss.detach() / dist.get_world_size())
+        loss = loss.detach() / dist.get_world_size()
+        dist.all_reduce(loss)
         self.manager.allreduce(loss).wait()
         self.ft_optimizer.step()
         return loss
@@ -133,19 +172,33 @@ class Trainer:
 
     def train(self, max_epochs):
         require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
+        # The loop counts the job's steps, which a group that heals takes over: each step reads the step's batch (the
+        # last of an epoch is short when a share is not a multiple of --batch_size, as in step 5).
+        steps_per_epoch = math.ceil(len(self.train_data.sampler) / self.train_data.batch_size)
+        # A group that comes back after the others finished finds the job's result beside the snapshots (where the
+        # groups share a disk), and must not train the job again alone.
+        finished = result_record(self.result_path)
+        if finished and finished["steps"] >= max_epochs * steps_per_epoch:
+            stop_once(f"{self.tag} the job has finished: {self.result_path} holds its result (step {finished['steps']} "
+                      f"of {max_epochs * steps_per_epoch}), so this group has nothing to train (move it away, with its "
+                      ".json, to train the job anew)", here=self.global_rank == 0, code=0)
         log_memory("start", self.model, self.optimizer, self.device, self.verbose)  # every rank's, in one table
-        # The loop counts the job's steps, which a group that heals takes over: each step reads the step's batch.
-        steps_per_epoch = len(self.train_data.sampler) // self.train_data.batch_size
+        waiting_since = None
         while True:
             # Its zero_grad() forms the step's quorum: the groups that train it; one that is behind heals here.
             self.ft_optimizer.zero_grad(set_to_none=True)
             if (step := self.manager.current_step()) >= max_epochs * steps_per_epoch:
                 break
+            if not self._quorum_holds_the_job():
+                waiting_since = self._wait_for_the_job(step, waiting_since)
+                continue
+            waiting_since = None
             epoch, batch = divmod(step, steps_per_epoch)
-            [(source, targets)] = step_batch(self.train_data, epoch, batch)  # this rank's share of the step
+            source, targets = batch_of_step(self.train_data, epoch, batch)  # this rank's share of the step
             loss = self._run_batch(source.to(self.device), targets.to(self.device))
             weights = weights_digest(self.model, self.device)
             done = self.manager.current_step()  # one more if this step committed
+            self.holds_the_job = self.holds_the_job or done > step
             if self.global_rank == 0:
                 print(f"{self.tag} step {step} | participants {self.manager.num_participants()} | loss "
                       f"{loss.item():.4f} | weights {weights}" if done > step else f"{self.tag} step {step} not "
@@ -167,11 +220,12 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, group: int, groups: in
                       sampler=DistributedSampler(dataset, group, groups))
 
 
-def step_batch(train_data, epoch, batch):
+def batch_of_step(train_data, epoch, batch):
     # Batch `batch` of this rank's share of the epoch: a step is read by its number, not by iterating.
     first = batch * train_data.batch_size
     indices = epoch_share(train_data.sampler, epoch)[first:first + train_data.batch_size]
-    return DataLoader(train_data.dataset, batch_size=len(indices), sampler=indices)
+    [batch] = DataLoader(train_data.dataset, batch_size=len(indices), sampler=indices)  # the one batch of them all
+    return batch
 
 
 @functools.lru_cache(maxsize=1)
@@ -185,6 +239,10 @@ def main(args):
     require_torch_for_fsdp()  # FSDP on CPU processes needs torch 2.9: else one line
     # torch's warnings about torchft's calls, its checkpoint server's log of each request: silenced at their cause.
     quiet_torchft()
+    # Every rank, before anything that waits for another: the lighthouse answers (else one line), and the interface
+    # this machine reaches it by is where the group's servers listen (torchft's Manager listens on every interface).
+    host = reach_the_lighthouse(args.lighthouse, args.timeout)
+    bind_torchft_to(host)
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
@@ -197,22 +255,31 @@ def main(args):
                 offload_policy=CPUOffloadPolicy(device.type == "cuda") if args.cpu_offload else OffloadPolicy())
     train_data = prepare_dataloader(workload.train_set, args.batch_size, args.group, args.groups)
     trainer = Trainer(workload.model, train_data, workload.make_optimizer, workload.loss_fn, device,
-                      args.save_every, args.snapshot_path, fsdp, args)
+                      args.save_every, args.snapshot_path, fsdp, args, host)
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
     full_model = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # The groups hold the same weights: the first participant of the last step reports and writes them.
+    # The groups hold the same weights: the first participant of the last step reports and writes them, never over a
+    # result that more batches trained (a group that trained part of the job alone holds fewer).
     if trainer.global_rank == 0 and trainer.manager.participating_rank() == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
-        full_path = os.path.join(os.path.dirname(args.snapshot_path), "ft_model_full.pt")  # beside the snapshots
-        torch.save(full_model, full_path)  # one plain state_dict: it loads without torch.distributed
-        print(f"{trainer.tag} full model saved to {full_path}")
+        # With it, the job's steps and the batches its groups trained (a step of N groups is N batches).
+        record = dict(steps=trainer.manager.current_step(), batches=trainer.manager.batches_committed())
+        kept = result_record(trainer.result_path)
+        if kept and kept["batches"] >= record["batches"]:
+            print(f"{trainer.tag} {trainer.result_path} is kept: it holds a result of {kept['batches']} batches of the "
+                  f"groups, this group's of {record['batches']}")
+        else:
+            save_result(full_model, record, trainer.result_path)  # a plain state_dict: loads without torch.distributed
+            print(f"{trainer.tag} full model saved to {trainer.result_path} (step {record['steps']}, "
+                  f"{record['batches']} batches of the groups)")
     dist.destroy_process_group()
     exit_without_teardown()  # Python's teardown can abort under gloo: see utils
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = errors_said_once(argparse.ArgumentParser(description=__doc__,
+                                                      formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("total_epochs", type=positive_int, help="Total epochs to train the model")
     parser.add_argument("save_every", type=positive_int, help="How often to save (in epochs)")
     parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")

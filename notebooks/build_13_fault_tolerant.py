@@ -24,10 +24,10 @@ fails every few hours, the whole job pays for each failure of any one of them.
   its share of the data goes untrained while it is away;
 * a group that dies is restarted by its own torchrun (`--max_restarts`), alone: the other groups never stop;
 * a group that comes back (restarted, or new) is behind: at its first quorum it **heals**, taking a healthy group's
-  weights and optimizer state over torchft's HTTP transport, not from disk, and trains on from the step the job is
-  at;
-* a step commits only if every group of its quorum did all its all-reduces; one that a failure interrupted is done
-  again by the groups left.
+  weights and optimizer state over HTTP (as raw tensors and JSON, checked before it loads them), not from disk, and
+  trains on from the step the job is at;
+* a group's step commits only if all its ranks did all their all-reduces (a vote inside the group, not across the
+  groups); a failure that interrupts a step fails it in every group of the quorum, and the groups left do it again.
 
 This notebook runs a lighthouse and two groups of one rank each on this machine, `SIGKILL`s group 1's worker in the
 middle of the run, lets group 1's torchrun start it again, and draws from the lines each group printed what happened:
@@ -70,8 +70,9 @@ the rest of its 100 epochs would look the same.
 
 Why 100 epochs, and a stop: the restart is a new Python process that imports torch and torchft again, which takes
 from 2 s to more than 10 s on a busy machine of 2 cores, while group 0 alone trains a step in a few milliseconds.
-Group 0 must still be training when group 1 is back, or there is nobody to heal from: group 1 would then train on
-alone from its own old snapshot, to a second, different end. A run far longer than the notebook needs leaves group 0
+Group 0 must still be training when group 1 is back, or there is nobody to heal from: group 1, started again by its
+torchrun, would wait for a group that holds the job's steps and then stop (a restarted group may not lead: it would
+train the job again alone, from its own old snapshot). A run far longer than the notebook needs leaves group 0
 training whatever the restart takes."""),
     new_code_cell("""EPOCHS, SAVE_EVERY, TIMEOUT = 100, 2, 20
 KILL_AFTER, STOP_AFTER = 100, 100  # steps group 1 trains with group 0 before the kill, and after its heal

@@ -657,6 +657,23 @@ def test_fault_tolerance_at_scale_reports_both_strategies_side_by_side(capsys):
         "step 100, back at step 131) | 960 (30 steps of group 1's share) |"], rows
 
 
+def test_fault_tolerance_at_scale_reports_what_the_survivor_waits_for_fault_by_fault(capsys):
+    """--waits: a row per fault and repetition, the longest wait and every wait over 1 s, and the line the survivor
+    ended with when it ended."""
+    args = Namespace(group_timeout=20)
+    benchmark("fault_tolerance_at_scale").report_waits(args, [
+        ("kill", [2.54, 2.91]), ("return", []), ("stop", [20.2]),
+        ("rank", [20.1, "error: rank 0: no quorum within --timeout 20 s: ..."])])
+    rows = table_rows(capsys.readouterr().out)
+    assert rows == [
+        "| its worker SIGKILLed: the kernel closes its connections | 2.9 s | 2.5 s, 2.9 s |",
+        "| it comes back (restarted by its torchrun) and heals | 0.0 s | none |",
+        "| its worker SIGSTOPped for good: a machine that hangs, or vanishes with its connections open | 20.2 s | "
+        "20.2 s |",
+        "| groups of two ranks: its rank 1 SIGSTOPped for good (its rank 0 heartbeats on) | 20.1 s | 20.1 s, error: "
+        "rank 0: no quorum within --timeout 20 s: ... |"], rows
+
+
 @pytest.mark.slow
 def test_fault_tolerance_at_scale_measures_a_real_kill_under_each_strategy(monkeypatch, capsys):
     """Both jobs for real, with a kill before step 70 and a snapshot every epoch: restarting the world redoes the steps

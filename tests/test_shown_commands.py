@@ -15,6 +15,7 @@ import torch
 
 import utils
 import utils.loop
+import utils.replicas
 from tools import stepdiff
 from tools.jobs import script
 from tools.shown_commands import parsed, readme_gpu_column, shown_commands
@@ -40,6 +41,9 @@ def run_until_it_starts(monkeypatch, tmp_path, command):
     # Where the steps start their work: torchrun's steps at attempt_store (the store of their process group, which
     # would also start a watch that ends the process), step 2 at mp.spawn, step 1 at its workload.
     monkeypatch.setattr(utils, "attempt_store", accept)
+    # Step 13 reaches its lighthouse first, before its process group (nothing answers here: it would wait --timeout,
+    # then end this process with one line).
+    monkeypatch.setattr(utils.replicas, "reach_the_lighthouse", accept)
     monkeypatch.setattr(torch.multiprocessing, "spawn", accept)
     monkeypatch.setattr(utils, "make_workload", accept)
     monkeypatch.setattr(utils, "stop_on_signals", lambda: None)  # its handlers would stay in this process

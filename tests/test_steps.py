@@ -337,7 +337,8 @@ def test_the_demo_shows_step_13_short_narrated_and_sums_it_up(demo_run):
     printed = demo_run["printed"]
     section = printed.split("=== Step 13")[1].split("\n=== ")[0]
     commands = [line for line in section.splitlines() if line.startswith("$ ")]
-    assert re.fullmatch(r"\$ torchft_lighthouse --min_replicas 1 --bind 127\.0\.0\.1:(\d+) .*", commands[0]), commands
+    assert re.fullmatch(r"\$ RUST_LOG=warn torchft_lighthouse --min_replicas 1 --bind 127\.0\.0\.1:(\d+) .*",
+                        commands[0]), commands
     port = re.search(r":(\d+) ", commands[0])[1]
     assert commands[1:] == [
         f"$ torchrun --standalone --nproc_per_node=1 --max_restarts=1 fault_tolerant.py {demo.FT_EPOCHS} "

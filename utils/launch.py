@@ -240,6 +240,33 @@ def attempt_store(timeout_s, rendezvous_s=None):
     return dist.PrefixStore(f"attempt{attempt}", store)
 
 
+SPEAKER_GRACE_S = 5  # how long a rank that stops silently leaves the one that says why to say it
+
+
+def stop_once(line, here, code=1):
+    """Stop this worker for a reason every rank meets alike: with `line` where `here` is true (one rank for all), else
+    silently with the same exit code, once the rank that says it has had the time to: torchrun stops every worker as
+    soon as one has ended, and the rank with the line could be stopped before it is out."""
+    if here:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        time.sleep(SPEAKER_GRACE_S)
+    raise SystemExit(code)
+
+
+def errors_said_once(parser):
+    """`parser`, whose errors are said once per job. torchrun starts every worker with the same arguments, and starts
+    them all again at each restart (--max_restarts): a mistake in them would be printed by every rank of every attempt,
+    a usage block each, though no restart can fix it. Rank 0 of torchrun's first attempt prints it; every other worker
+    exits with the same code (2), silently (in the first attempt, once rank 0 has had the time to print it)."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if os.environ.get("RANK", "0") != "0" and first_attempt:
+        parser.error = lambda message: stop_once(None, False, code=2)
+    elif not first_attempt:
+        parser.error = lambda message: parser.exit(2)
+    return parser
+
+
 def stop_on_signals():
     """In a step's own process (step 1's, or step 2's, which starts the workers with mp.spawn): SIGINT (Ctrl-C,
     `kill -INT`) and SIGTERM end it with one line, and stop its workers too, at once. Without it Python prints a

@@ -87,8 +87,9 @@ def torchrun_node(name, *args, nnodes=2, nproc=1, endpoint, run_id="job", launch
 def lighthouse(port, min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000):
     """Step 13's lighthouse (torchft_lighthouse, installed beside this Python) on 127.0.0.1:`port`, as a command list:
     a step's quorum needs `min_replicas` groups; it waits up to `join_timeout_ms` for a group that heartbeats but has
-    not asked to join yet, and takes a group whose heartbeat stopped `heartbeat_timeout_ms` ago for dead."""
-    return [str(Path(PYTHON).parent / "torchft_lighthouse"), "--min_replicas", str(min_replicas),
+    not asked to join yet, and takes a group whose heartbeat stopped `heartbeat_timeout_ms` ago for dead. RUST_LOG=warn,
+    as the step's page starts it: at torchft's default level it logs 4-5 lines a step."""
+    return ["env", "RUST_LOG=warn", str(Path(PYTHON).parent / "torchft_lighthouse"), "--min_replicas", str(min_replicas),
             "--bind", f"127.0.0.1:{port}", "--join_timeout_ms", str(join_timeout_ms),
             "--heartbeat_timeout_ms", str(heartbeat_timeout_ms)]
 
@@ -125,6 +126,7 @@ def shown(command):
     """A command as a learner types it: `python`, `torchrun` and the repository's files by their own names."""
     text = " ".join(map(str, command)).replace(" ".join(TORCHRUN), "torchrun").replace(PYTHON, "python")
     text = text.replace(str(Path(PYTHON).parent / "torchft_lighthouse"), "torchft_lighthouse")
+    text = text.replace("env RUST_LOG=", "RUST_LOG=")  # a shell sets a variable for one command without `env`
     return text.replace(str(REPO) + os.sep, "")
 
 
@@ -147,8 +149,9 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
     variable; a PYTHONPATH in it goes before the repository's)."""
     extra = dict(extra or {})
     env = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARIABLES}
-    # RUST_LOG: step 13's lighthouse (torchft's Rust) logs every quorum at its default level, INFO.
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RUST_LOG="warn")
+    # RUST_LOG is left as it is: step 13 quiets torchft's Rust side itself, and its lighthouse is started quiet
+    # (lighthouse()), as the step's page starts it.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU jobs stay CPU jobs on a machine with GPUs
     injected = kill_at or kill_at_step or skip_all_reduce or stall_init is not None or slow_save
