@@ -6,7 +6,9 @@ A command with `--nproc_per_node=gpu` runs on nodes of 8 GPUs, the usual server 
 6 blocks); any other runs on CPU processes (the CPU size: 4 heads, 2 blocks). Each is run in this process, as rank 0
 of its job, up to the moment it would start working (its process group's store, mp.spawn, or the workload): nothing
 is trained, no process is started. The generated diff blocks are left out (their commands are the scripts' docstrings,
-checked as such)."""
+checked as such). What a step reads must be there first, as on a fresh clone: the token files step 12 reads are written
+by the `python tools/prepare_data.py` commands the page shows before it (in the same block, or joined by `&&`), run
+here as shown; a command shown without them stops, as it would for a learner."""
 import ast
 import re
 import runpy
@@ -37,7 +39,9 @@ def pages():
 def shown_commands():
     """[(where, command)]: every command that runs a step with its epochs (a launcher, torchrun, python or `...`, the
     README's short form of `torchrun --standalone`, then a step script and its TOTAL_EPOCHS and SAVE_EVERY), from the
-    lines of code blocks and docstrings (continuation lines joined) and from inline code spans (which may wrap)."""
+    lines of code blocks and docstrings (continuation lines joined) and from inline code spans (which may wrap). The
+    `python tools/prepare_data.py` commands a block shows before a step's are joined to it with `&&`, as a span
+    shows them."""
     steps = "|".join(map(re.escape, stepdiff.steps()))
     runs_a_step = re.compile(rf"(?:^|[\s$])(?:torchrun|python3?|\.\.\.)(?=\s).*?[\s/\"](?:{steps})\"?"
                              r"\s+[^-\s]+\s+[^-\s]")
@@ -45,11 +49,30 @@ def shown_commands():
     for where, text in pages().items():
         blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S) if where.endswith(".md") else [text]
         prose = re.sub(r"^```[a-z]*\n.*?^```", "", text, flags=re.M | re.S) if where.endswith(".md") else ""
-        lines = [line for block in blocks for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
+        for block in blocks:
+            prepared = []
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                command = re.sub(r"\s#\s.*", "", line).strip()  # less a shell comment
+                if PREPARES.match(command):
+                    prepared.append(command)
+                elif runs_a_step.search(command):
+                    found.append((where, " && ".join([*prepared, command])))
         spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)]
-        commands = [re.sub(r"\s#\s.*", "", command).strip() for command in lines + spans]  # less a shell comment
-        found += [(where, command) for command in commands if runs_a_step.search(command)]
+        found += [(where, span) for span in spans if runs_a_step.search(span)]
     return found
+
+
+PREPARES = re.compile(r"python3? tools/prepare_data\.py\s")
+
+
+def prepare_as_shown(command):
+    """Run, in this process and folder, the `python tools/prepare_data.py ...` parts of a shown command (`A && B`)."""
+    for part in command.split("&&")[:-1]:
+        part = part.strip().lstrip("$ ")
+        if PREPARES.match(part):
+            arguments = shlex.split(part)[2:]
+            sys.argv = ["prepare_data.py", *arguments]
+            runpy.run_path(str(REPO / "tools" / "prepare_data.py"), run_name="__main__")
 
 
 def parsed(command):
@@ -88,6 +111,8 @@ def run_until_it_starts(monkeypatch, tmp_path, command):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [name, *arguments])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus)
+    prepare_as_shown(command)  # the token files, where the page shows how to write them first
+    monkeypatch.setattr(sys, "argv", [name, *arguments])
     monkeypatch.setattr(torch.cuda, "device_count", lambda: per_node if gpus else 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     # Where the steps start their work: torchrun's steps at attempt_store (the store of their process group, which
@@ -132,7 +157,9 @@ def test_every_shown_command_is_accepted_on_the_machine_it_is_shown_for(monkeypa
                                                                         command):
     stop = run_until_it_starts(monkeypatch, tmp_path, command)
     assert stop is None, f"{where}: `{command}` stops: {stop} {capsys.readouterr().err.strip()[-300:]}"
-    assert list(tmp_path.iterdir()) == [], "nothing may be written before the work starts"
+    parts = [part.strip() for part in command.split("&&")[:-1]]
+    prepared = {Path(shlex.split(part)[2]).parts[0] for part in parts if PREPARES.match(part)}
+    assert {path.name for path in tmp_path.iterdir()} == prepared, "nothing but the token files shown first is written"
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
