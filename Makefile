@@ -65,3 +65,12 @@ notebooks: $(STAMP)  ## re-run the walkthrough notebooks and store their outputs
 bench: $(STAMP)  ## the scaling and overhead benchmarks (a minute or two each; see README "Measure it")
 	$(PY) benchmarks/scaling.py
 	$(PY) benchmarks/overhead.py
+
+# On a machine with CUDA GPUs: the GPU tests, every GPU command the pages show and the GPU figures, in under eight
+# minutes, into one report (docs/reference.md, "The GPU proof"). It installs nothing: a GPU machine lent for a few minutes
+# has its own torch and may reach no package registry. .venv's Python where there is one, else $(PYTHON); OUT: the folder.
+.PHONY: gpu-proof
+GPU_PROOF_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+
+gpu-proof:  ## on a GPU machine: the GPU tests, every GPU command shown, step 6's and 11's figures (under 8 minutes)
+	$(GPU_PROOF_PY) benchmarks/gpu_proof.py $(if $(OUT),--out $(OUT))

@@ -22,6 +22,7 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_written_by
+from utils.snapshot_reader import SnapshotReader
 from utils import require_same_arguments, require_same_start
 from utils import exists_on_any_rank, mesh_with_timeout, non_negative_number
 from utils.moe import balance_loss, describe, moe_layers, require_ep_fits, routing_stats, split_experts, whole_grad_norm
@@ -81,13 +82,14 @@ class Trainer:
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
-            require_written_by("expert_parallel.py", self.snapshot_path)
+            reader = SnapshotReader(self.snapshot_path)  # read once, as data only: a planted folder runs no code
+            require_written_by("expert_parallel.py", self.snapshot_path, reader)
             # Each rank reads its own experts and the rest, by their names, from a snapshot of any --ep: DCP fills
             # the tensors of the dict below in place.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=BY_NAME)
             snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state,
                             SCHEDULER_STATE=self.scheduler.state_dict(), RNG_STATES=(), EPOCHS_RUN=0)
-            dcp.load(snapshot, checkpoint_id=self.snapshot_path)
+            dcp.load(snapshot, storage_reader=reader)
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                            options=BY_NAME)
             self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])

@@ -33,9 +33,10 @@ from utils import WORKLOADS, configure_cpu_threads, exit_without_teardown, log_r
 from utils import non_negative_int
 from utils import attempt_store, require_epochs_left, require_torchrun, snapshot_folder, stop_if_unloadable
 from utils import require_written_by, said_once_per_node
+from utils.snapshot_reader import SnapshotReader, load_seed_checkpoint
 from utils import require_same_arguments, require_same_start
 from utils import exists_on_any_rank, mesh_with_timeout, remove, snapshot_to_resume, step_snapshot, whole_snapshots
-from utils import SEED, being_written, dcp_folder, load_seed_checkpoint
+from utils import SEED, being_written, dcp_folder
 from utils.memory import saved_for_backward, state_bytes
 from utils.data import IGNORE, HeldOut, Shares, TokenFile, batch_range, model_of, skip_range, token_loss
 from utils.pipeline import exported, held_out_loss, require_mesh_fits, stage_io
@@ -117,13 +118,14 @@ class Trainer:
 
     def _load_snapshot(self, path):
         with stop_if_unloadable(path):
-            require_written_by("long_run.py", path)
+            reader = SnapshotReader(path)  # read once, as data only: a planted folder runs no code
+            require_written_by("long_run.py", path, reader)
             # Each rank reads its own shards of its own layers, by their names: from a snapshot of any mesh.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=BY_NAME)
             snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state,
                             SCHEDULER_STATE=self.scheduler.state_dict(), STEPS_RUN=0, NEXT_BATCH=0, TOKENS=0,
                             SKIPPED="", GLOBAL_BATCH=0)
-            dcp.load(snapshot, checkpoint_id=path)  # fills the tensors above in place
+            dcp.load(snapshot, storage_reader=reader)  # fills the tensors above in place
             # The cursor counts global batches of the snapshot's size: another size would read other rows.
             if snapshot["GLOBAL_BATCH"] != self.args.global_batch:
                 raise SystemExit(f"error: {path} was trained in global batches of {snapshot['GLOBAL_BATCH']} "

@@ -22,6 +22,7 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_written_by
+from utils.snapshot_reader import SnapshotReader
 from utils import require_same_arguments, require_same_start
 from utils import exists_on_any_rank, mesh_with_timeout
 from utils.pipeline import reassembled, require_a_batch, require_pipeline_fits, stage_io
@@ -81,12 +82,13 @@ class Trainer:
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
-            require_written_by("pipeline_parallel.py", self.snapshot_path)
+            reader = SnapshotReader(self.snapshot_path)  # read once, as data only: a planted folder runs no code
+            require_written_by("pipeline_parallel.py", self.snapshot_path, reader)
             # Each rank reads its own stage's weights and optimizer state, by their names: from a snapshot of any cut.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=BY_NAME)
             snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state,
                             SCHEDULER_STATE=self.scheduler.state_dict(), RNG_STATES=(), EPOCHS_RUN=0)
-            dcp.load(snapshot, checkpoint_id=self.snapshot_path)  # fills the tensors above in place
+            dcp.load(snapshot, storage_reader=reader)  # fills the tensors above in place
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                            options=BY_NAME)
             self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])

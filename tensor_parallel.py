@@ -23,6 +23,7 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_written_by
+from utils.snapshot_reader import SnapshotReader
 from utils import require_same_arguments, require_same_start
 from utils import exists_on_any_rank, log_memory, require_torch_for_fsdp
 from utils import SEED, log_slices, mesh_with_timeout, require_tp_fits
@@ -72,11 +73,12 @@ class Trainer:
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
-            require_written_by("tensor_parallel.py", self.snapshot_path)
+            reader = SnapshotReader(self.snapshot_path)  # read once, as data only: a planted folder runs no code
+            require_written_by("tensor_parallel.py", self.snapshot_path, reader)
             # Each rank reads only its own shards, into the (sharded) state it already has.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state, EPOCHS_RUN=0)
-            dcp.load(snapshot, checkpoint_id=self.snapshot_path)  # fills the tensors above in place
+            dcp.load(snapshot, storage_reader=reader)  # fills the tensors above in place
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
             epochs_run = snapshot["EPOCHS_RUN"]
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")

@@ -620,8 +620,8 @@ def test_long_run_reads_its_jobs_windows_its_rounds_and_each_files_memory(monkey
         1: (8, 8 * 130, 8), 4: (2, 2 * 130, 8)}, text
     # The draw alone was timed, and the ratio printed is that of the table's times.
     ms = {int(dp): float(ms) for dp, *_, ms in table}
-    drawn, ratio = re.search(r"^the global batch's order drawn alone .*: ([\d.]+) ms per global batch; a rank's read at "
-                             r"dp 4 / at dp 1: ([\d.]+)x$", text, re.M).groups()
+    drawn, ratio = re.search(r"^the global batch's order drawn alone .*: ([\d.]+) ms per global batch; "
+                             r"a rank's read at dp 4 / at dp 1: ([\d.]+)x$", text, re.M).groups()
     assert float(drawn) > 0 and float(ratio) == pytest.approx(ms[4] / ms[1], abs=0.006), text
 
     # Part 2: each save mode's snapshot every step against every 1000 steps (on a busy machine a job's one measured

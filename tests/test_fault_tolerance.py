@@ -113,6 +113,15 @@ def write_empty(path):
     path.write_bytes(b"")  # what a full disk or a crash in the middle of a copy can leave
 
 
+def write_torchscript(path):
+    """A TorchScript archive (a saved program) as the snapshot: torch.load's refusal advises weights_only=False."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated: a stranger's file may still be one
+        torch.jit.save(torch.jit.script(nn.Linear(3, 2)), path)
+
+
 def test_the_line_for_an_unreadable_snapshot_says_what_is_wrong_not_to_load_it_unsafely(tmp_path):
     """torch.load's own message for a file that is not tensors and plain containers advises weights_only=False; the
     step's line says what the file is instead (the cause the unpickler found)."""
@@ -146,11 +155,14 @@ def test_a_sharded_snapshot_of_another_model_is_told_by_what_it_lacks_or_holds_i
 
 
 @pytest.mark.parametrize("write_snapshot", [write_garbage, write_other_models_snapshot, write_single_device_checkpoint,
-                                            write_empty],
-                         ids=["garbage bytes", "another model", "single-device checkpoint", "empty file"])
+                                            write_empty, write_torchscript],
+                         ids=["garbage bytes", "another model", "single-device checkpoint", "empty file", "TorchScript"])
 def test_a_snapshot_that_cannot_be_resumed_stops_with_one_line_that_names_it_and_its_cause(tmp_path, write_snapshot):
     """multigpu_torchrun.py's _load_snapshot, in this process, on each kind of file that is no snapshot of this model:
-    one line naming the file and the cause (the test below runs a real job on one of them)."""
+    one line naming the file and the cause, never torch's advice to load it with weights_only=False, and no warning
+    beside it (the test below runs a real job on one of them)."""
+    import warnings
+
     import multigpu_torchrun
 
     path = tmp_path / SNAPSHOT
@@ -159,12 +171,17 @@ def test_a_snapshot_that_cannot_be_resumed_stops_with_one_line_that_names_it_and
     trainer = multigpu_torchrun.Trainer.__new__(multigpu_torchrun.Trainer)  # no __init__: it needs a process group
     trainer.model, trainer.optimizer, trainer.device = workload.model, workload.optimizer, torch.device("cpu")
     trainer.snapshot_path, trainer.tag = str(path), "[rank 0/1 | cpu]"
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(SystemExit) as stop, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
         trainer._load_snapshot()
     assert re.fullmatch(rf"error: cannot resume from \S*{SNAPSHOT} \(\w+: [^\n]*\); it is left in place: move it away "
                         r"to start anew", str(stop.value)), stop.value
+    assert "weights_only" not in str(stop.value) and not warned, (stop.value, [str(w.message) for w in warned])
     if write_snapshot is write_empty:
         assert "(EOFError: the file ends too early (empty, or cut short))" in str(stop.value)
+    if write_snapshot is write_torchscript:
+        assert "(RuntimeError: not a file of tensors torch.load can read safely (a TorchScript archive: a saved " \
+               "program, not a snapshot))" in str(stop.value)
 
 
 @pytest.mark.slow
@@ -269,7 +286,7 @@ def write_step_9s_file(path):
 @pytest.mark.parametrize("write, said", [
     (write_empty_folder, "the folder holds no .metadata, the file a sharded save writes last: it is not a snapshot, "
                          "or its save was cut short"),
-    (write_garbled_metadata, "its .metadata is not a sharded snapshot's (UnpicklingError: invalid load key, '\\x00'.)"),
+    (write_garbled_metadata, "its .metadata is not a pickle (at position 0, opcode b'\\x00' unknown)"),
     (write_step_9s_file, "it is a file, not the folder of a sharded snapshot (context_parallel.py's snapshot)"),
 ], ids=["empty folder", "garbled .metadata", "step 9's file"])
 def test_an_unreadable_sharded_snapshot_stops_with_one_line_that_says_what_is_wrong_and_nothing_else(tmp_path, capfd,
@@ -279,13 +296,14 @@ def test_an_unreadable_sharded_snapshot_stops_with_one_line_that_says_what_is_wr
     is not found..."), then `AssertionError: metadata is None`; now one line says in words what is wrong, DCP prints
     nothing, and the files stay as they were."""
     from utils import require_written_by, stop_if_unloadable
+    from utils.snapshot_reader import SnapshotReader
 
     path = tmp_path / "ep_snapshot"
     write(path)
     before = sorted((file.name, file.read_bytes()) for file in ([path] if path.is_file() else path.iterdir()))
     capfd.readouterr()
     with pytest.raises(SystemExit) as stop, stop_if_unloadable(str(path)):
-        require_written_by("expert_parallel.py", str(path))
+        require_written_by("expert_parallel.py", str(path), SnapshotReader(path))
     assert str(stop.value) == (f"error: cannot resume from {path} ({said}); it is left in place: move it away to start "
                                "anew")
     assert capfd.readouterr() == ("", "")
@@ -333,6 +351,7 @@ def test_code_planted_in_a_sharded_snapshot_runs_in_torch_and_the_steps_refuse_i
     import torch.distributed.checkpoint as dcp
 
     from utils import require_written_by, stop_if_unloadable
+    from utils.snapshot_reader import SnapshotReader
 
     path, marker = tmp_path / "ep_snapshot", tmp_path / "the planted code ran"
     plant(path, marker)
@@ -342,7 +361,7 @@ def test_code_planted_in_a_sharded_snapshot_runs_in_torch_and_the_steps_refuse_i
     marker.unlink()
     before = sorted((file.name, file.read_bytes()) for file in path.iterdir())
     with pytest.raises(SystemExit) as stop, stop_if_unloadable(str(path)):
-        require_written_by("expert_parallel.py", str(path))
+        require_written_by("expert_parallel.py", str(path), SnapshotReader(path))
     assert str(stop.value) == (f"error: cannot resume from {path} (its {where} would call {called} as it is read: "
                                "a snapshot holds tensors, numbers and text, and this one holds code); it is left in "
                                "place: move it away to start anew")

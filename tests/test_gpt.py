@@ -409,8 +409,8 @@ def test_a_snapshot_of_a_gpt_of_another_text_stops_with_one_line(tmp_path):
     assert re.fullmatch(rf"error: cannot resume from \S+{SNAPSHOT} \(ValueError: it holds a GPT of another text "
                         rf"\(backwards\.txt, {EXCERPT_CHARS:,} characters\) than this run's "
                         rf"\(excerpt\.txt, {EXCERPT_CHARS:,} characters\): give the text it was trained on "
-                        r"\(--text\), or another --snapshot_path to start anew\); it is left in place: move it away to "
-                        r"start anew", message), message
+                        r"\(--text; step 12: --data\), or another --snapshot_path to start anew\); it is left in "
+                        r"place: move it away to start anew", message), message
 
 
 def test_a_snapshot_without_the_loops_state_stops_with_one_line(tmp_path):

@@ -81,3 +81,121 @@ def test_a_file_named_but_missing_is_found():
     assert doclinks.missing_files(text, files) == ["utils/nothing.py"]
     assert doclinks.missing_files("see REPORT.md and docs/gpt.md", ["docs/gpt.md"], doclinks.NAMED_IN_CODE) == \
         ["REPORT.md"]
+
+
+# --- the steps' pages: a learner's page, a reference page one link away, a glossary every page links ----------------
+
+DOCS = REPO / "docs"
+# Every step page that is a learner's page has its reference page, docs/reference/<page>.md; these at least.
+STEP_PAGES = ["fsdp.md", "gpt.md", "tensor-parallel.md", "pipeline-parallel.md", "context-parallel.md",
+              "expert-parallel.md", "one-mesh.md"]
+LEARNER_PAGES = sorted({*STEP_PAGES, *(page.name for page in (DOCS / "reference").glob("*.md"))})
+MOST_LINES = 300  # a learner's page reads in ten minutes
+
+
+def link_targets(path):
+    return {target.split("#")[0] for _, target in doclinks.links(doclinks.markdown_of(path))}
+
+
+@pytest.mark.parametrize("name", LEARNER_PAGES)
+def test_a_learner_page_is_short_and_links_the_glossary_near_its_top_and_its_reference_page(name):
+    page = DOCS / name
+    lines = page.read_text().splitlines()
+    assert len(lines) <= MOST_LINES, f"{name} has {len(lines)} lines: move reviewer material to reference/{name}"
+    top = "\n".join(lines[:8])
+    assert "](glossary.md)" in top, f"{name} does not link the glossary near its top"
+    assert f"reference/{name}" in link_targets(page), f"{name} does not link its reference page"
+
+
+@pytest.mark.parametrize("name", LEARNER_PAGES)
+def test_a_reference_page_links_back_to_its_learner_page_and_the_glossary(name):
+    reference = DOCS / "reference" / name
+    assert reference.exists(), f"{name} has no reference page docs/reference/{name}"
+    assert {f"../{name}", "../glossary.md"} <= link_targets(reference)
+
+
+# The terms a newcomer meets in the steps; each has an entry (a heading) in docs/glossary.md.
+TERMS = ["rank", "local rank", "world size", "process group", "backend", "gloo", "nccl", "torchrun", "DDP",
+         "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "shard", "FSDP / FSDP2", "DTensor",
+         "device mesh", "dp, tp, pp, cp and ep groups", "2D mesh", "tensor parallelism", "sequence parallelism",
+         "loss parallelism", "pipeline stage", "micro-batch", "GPipe", "1F1B", "interleaved 1F1B", "bubble",
+         "context parallelism", "ring attention", "online softmax", "expert", "router", "top-k", "capacity",
+         "load-balancing loss", "HSDP", "replica group", "lighthouse", "quorum", "heal", "meta device",
+         "seed checkpoint", "activation checkpointing", "DCP", "snapshot", "cursor", "global batch",
+         "gradient accumulation", "bf16 and mixed precision", "MFU", "tokens/s", "torch.compile"]
+
+
+def glossary_entries():
+    """{term, lowercased: its text} of docs/glossary.md's entries (### headings)."""
+    text = (DOCS / "glossary.md").read_text()
+    entries = re.finditer(r"^### ([^\n]+)\n(.*?)(?=^#|\Z)", text, re.M | re.S)
+    return {match[1].strip().lower(): match[2] for match in entries}
+
+
+def test_the_glossary_defines_every_term_in_a_few_sentences_with_the_page_that_teaches_it():
+    entries = glossary_entries()
+    missing = [term for term in TERMS if term.lower() not in entries]
+    assert not missing, f"docs/glossary.md has no entry for {missing}"
+    for term, text in entries.items():
+        assert re.search(r"\]\([\w./-]+\.md", text), f"the glossary's {term!r} links no page that teaches it"
+        assert len(re.findall(r"[.!?](?:\s|$)", text)) <= 4, f"the glossary's {term!r} is more than a few sentences"
+
+
+def test_every_page_of_docs_links_the_glossary():
+    """docs/glossary.md is where a page sends a term it does not teach; the steps' pages and their reference pages
+    link it (the other pages of docs/ are the lead's to link)."""
+    pages = [DOCS / name for name in LEARNER_PAGES] + [DOCS / "reference" / name for name in LEARNER_PAGES]
+    unlinked = [str(page.relative_to(REPO)) for page in pages
+                if not {"glossary.md", "../glossary.md"} & link_targets(page)]
+    assert not unlinked, f"pages that do not link the glossary: {unlinked}"
+
+
+def shown_figures():
+    """{figure name: [page, ...]}: the PNGs of docs/figures/ that a page of docs/ shows."""
+    shown = {}
+    for page in [*DOCS.glob("*.md"), *(DOCS / "reference").glob("*.md")]:
+        for _, target in doclinks.links(page.read_text()):
+            path = (page.parent / target.split("#")[0]).resolve()
+            if path.parent == (DOCS / "figures").resolve():
+                shown.setdefault(path.stem, []).append(page.name)
+    return shown
+
+
+def test_every_figure_a_page_shows_is_committed_and_tools_figures_draws_it():
+    """Each picture of docs/figures/ is drawn from a real run by `python tools/figures.py NAME`, and each figure the
+    script draws is in the repository and shown by its page (docs/NAME.md)."""
+    from tools import figures
+
+    shown, files = shown_figures(), doclinks.tracked()
+    assert set(shown) <= set(figures.FIGURES), f"figures no script draws: {set(shown) - set(figures.FIGURES)}"
+    for name in figures.FIGURES:
+        assert f"docs/figures/{name}.png" in files, f"docs/figures/{name}.png is not committed"
+        assert f"{name}.md" in shown.get(name, []), f"docs/{name}.md does not show figures/{name}.png"
+        assert f"python tools/figures.py {name}" in (DOCS / f"{name}.md").read_text(), \
+            f"docs/{name}.md does not say how its figure is drawn"
+
+
+def test_every_parallelism_page_shows_a_figure_drawn_from_a_run():
+    shown = shown_figures()
+    for name in ["tensor-parallel", "pipeline-parallel", "context-parallel", "expert-parallel", "one-mesh"]:
+        assert f"{name}.md" in shown.get(name, []), f"docs/{name}.md shows no figure of docs/figures/"
+
+
+def step_of(page):
+    """The step script a page teaches: the `name.py` of its title."""
+    return re.search(r"^# .*\(`(\w+\.py)`\)", page.read_text(), re.M)[1]
+
+
+@pytest.mark.parametrize("name", LEARNER_PAGES)
+def test_the_excerpts_a_learner_page_quotes_are_lines_of_the_step_or_of_utils(name):
+    """A ```python block of a learner's page is an excerpt: each of its lines is a line of the step script (or of
+    utils/, where the step calls it), so a page never teaches code the step no longer has. (A snippet for the learner
+    to type is a ```py block.)"""
+    page = DOCS / name
+    sources = [REPO / step_of(page), *sorted((REPO / "utils").glob("*.py"))]
+    known = {line.strip() for path in sources for line in path.read_text().splitlines()}
+    quoted = [line.strip() for block in re.findall(r"^```python\n(.*?)^```", page.read_text(), re.M | re.S)
+              for line in block.splitlines() if line.strip()]
+    assert quoted, f"{name} quotes no line of {step_of(page)}"
+    missing = [line for line in quoted if line not in known]
+    assert not missing, f"{name} quotes lines that {step_of(page)} and utils/ do not hold: {missing}"

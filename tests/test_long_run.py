@@ -542,6 +542,32 @@ def test_a_missing_data_folder_is_said_once_before_the_process_group_forms(tmp_p
     assert not (tmp_path / SNAPSHOTS).exists() and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
+def test_a_snapshot_of_another_text_with_as_many_characters_is_refused_with_one_line_that_names_both(
+        tmp_path, tmp_path_factory, data, straight):
+    """Token files of another text whose vocabulary has the very size of the snapshot's (its pages with 8 of their
+    characters replaced by 8 others): every weight has the same shape, and DCP loads them. The GPT's identity of its
+    text tells the two apart, once DCP no longer writes the snapshot's identity into the model's own (the check then
+    compared the snapshot with itself: exit 0, and it trained on). One line naming both texts; no step trained."""
+    from tools.prepare_data import help_topics, prepare
+
+    vocab = json.loads((data / "meta.json").read_text())["vocab"]
+    replaced = str.maketrans(dict(zip("aeiounst", "αεινουστ")))
+    _, pages = help_topics()
+    prepare(tmp_path / "other", [page.translate(replaced) for page in pages if len(page) <= 1500],
+            "the same pages, 8 characters replaced", 64)
+    theirs = json.loads((tmp_path / "other" / "meta.json").read_text())["vocab"]
+    assert len(theirs) == len(vocab) and len(set(theirs) - set(vocab)) == 8, "the test needs vocabularies of one size"
+    job = long_run(resumed_from(tmp_path_factory, "other_text", straight, 24), tmp_path / "other", nproc=1,
+                   layout=(1, 1), check=False)
+    assert job.returncode not in (0, None), job.output[-3000:]
+    assert re.fullmatch(rf"error: cannot resume from {SNAPSHOTS}/step-00000024 \(ValueError: it holds a GPT of another "
+                        r"text \(Python's help pages of at most 1,500 characters, [\d,]+ characters\) than this run's "
+                        r"\(the same pages, 8 characters replaced, [\d,]+ characters\): [^\n]+\); it is left in "
+                        r"place: move it away to start anew", "\n".join(output.errors(job.output))), job.output[-3000:]
+    assert not job.records("batches.jsonl"), "a step was trained"
+
+
 def test_the_page_quotes_the_code_as_it_is():
     """docs/long-run.md walks through utils/data.py and a few lines of long_run.py: every line of a quoted block
     (a ```python block whose first line names its file) is in that file as it is (its indentation aside)."""

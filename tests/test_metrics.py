@@ -32,3 +32,5 @@ def test_single_gpu_trainer_logs_its_epochs_and_a_resumed_run_appends(tmp_path, 
     assert [(r["rank"], r["world_size"], r["epoch"], r["step"]) for r in records] == [(0, 1, 1, 16), (0, 1, 2, 24)]
     printed = epoch_losses(capsys.readouterr().out)
     assert [round(r["loss"], 4) for r in records] == [printed[1], printed[2]]  # one rank: its own loss is the loss
+    # the most the device held so far (here a CPU: the process's resident set at its peak), which never falls
+    assert 0 < records[0]["memory_peak"] <= records[1]["memory_peak"], records

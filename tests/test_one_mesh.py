@@ -14,9 +14,11 @@ on the meta device.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +30,8 @@ from tools.jobs import free_port, output, run, shared_file, spawned_result, star
 from tools.memory_plan import Layout, check, compare, config_of
 from tools.one_process import train_gpt
 from tools.seed_checkpoint import seed_checkpoint_beside
-from utils import SEED, load_seed_checkpoint, make_workload
+from utils import SEED, make_workload
+from utils.snapshot_reader import load_seed_checkpoint
 from utils.gpt import help_pages
 from utils.metrics import RUN_DIR_VARIABLE
 
@@ -474,6 +477,25 @@ def test_a_seed_checkpoint_of_another_text_stops_with_one_line(tmp_path, text):
     assert str(stop.value).startswith(f"error: cannot start from --seed_checkpoint {seed_checkpoint_beside(text)} (")
     assert str(stop.value).endswith("write it again with tools/seed_checkpoint.py, with the step's --workload and "
                                     "--text") and "\n" not in str(stop.value)
+
+
+@pytest.mark.slow
+def test_a_snapshot_of_another_text_of_the_same_characters_is_refused_with_one_line_that_names_both(tmp_path, text,
+                                                                                                  mesh8):
+    """The 8 ranks' snapshot resumed on the excerpt written backwards (the same characters, another text): the weights
+    load, and DCP wrote the snapshot's identity of its text into the model's own, so the check compared the snapshot
+    with itself and it trained on. One line naming both texts; no epoch trained."""
+    backwards = tmp_path / "backwards.txt"
+    backwards.write_text(Path(text).read_text()[::-1])
+    shutil.copytree(mesh8.cwd / SNAPSHOT, tmp_path / SNAPSHOT)
+    job = one_mesh(tmp_path, EPOCHS + 1, backwards, "--pp", 1, "--tp", 1, "--microbatches", 2, nproc=1, batch_size=B,
+                   check=False)
+    assert job.returncode not in (0, None), job.output[-3000:]
+    assert re.fullmatch(rf"error: cannot resume from {SNAPSHOT} \(ValueError: it holds a GPT of another text "
+                        rf"\({re.escape(Path(text).name)}, [\d,]+ characters\) than this run's \(backwards\.txt, "
+                        r"[\d,]+ characters\): [^\n]+\); it is left in place: move it away to start anew",
+                        "\n".join(output.errors(job.output))), job.output[-3000:]
+    assert not job.losses, "it trained on"
 
 
 def test_the_mixture_of_experts_is_refused_with_one_line(monkeypatch):

@@ -9,8 +9,6 @@ is trained, no process is started. The generated diff blocks are left out (their
 checked as such). What a step reads must be there first, as on a fresh clone: the token files step 12 reads are written
 by the `python tools/prepare_data.py` commands the page shows before it (in the same block, or joined by `&&`), run
 here as shown; a command shown without them stops, as it would for a learner."""
-import ast
-import re
 import runpy
 import shlex
 import sys
@@ -23,46 +21,7 @@ import utils
 import utils.loop
 from tools import stepdiff
 from tools.jobs import REPO, script
-
-GPUS_PER_NODE = 8
-LAUNCHERS = {"torchrun": "torchrun", "...": "torchrun", "python": "python", "python3": "python"}
-
-
-def pages():
-    """{where: text} of the README, the docs (less their generated diff blocks) and each step's docstring."""
-    texts = {str(page.relative_to(REPO)): stepdiff.BLOCK.sub("", page.read_text()) for page in stepdiff.pages()}
-    for name in stepdiff.steps():
-        texts[name] = ast.get_docstring(ast.parse((REPO / name).read_text()))
-    return texts
-
-
-def shown_commands():
-    """[(where, command)]: every command that runs a step with its epochs (a launcher, torchrun, python or `...`, the
-    README's short form of `torchrun --standalone`, then a step script and its TOTAL_EPOCHS and SAVE_EVERY), from the
-    lines of code blocks and docstrings (continuation lines joined) and from inline code spans (which may wrap). The
-    `python tools/prepare_data.py` commands a block shows before a step's are joined to it with `&&`, as a span
-    shows them."""
-    steps = "|".join(map(re.escape, stepdiff.steps()))
-    runs_a_step = re.compile(rf"(?:^|[\s$])(?:torchrun|python3?|\.\.\.)(?=\s).*?[\s/\"](?:{steps})\"?"
-                             r"\s+[^-\s]+\s+[^-\s]")
-    found = []
-    for where, text in pages().items():
-        blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S) if where.endswith(".md") else [text]
-        prose = re.sub(r"^```[a-z]*\n.*?^```", "", text, flags=re.M | re.S) if where.endswith(".md") else ""
-        for block in blocks:
-            prepared = []
-            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
-                command = re.sub(r"\s#\s.*", "", line).strip()  # less a shell comment
-                if PREPARES.match(command):
-                    prepared.append(command)
-                elif runs_a_step.search(command):
-                    found.append((where, " && ".join([*prepared, command])))
-        spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)]
-        found += [(where, span) for span in spans if runs_a_step.search(span)]
-    return found
-
-
-PREPARES = re.compile(r"python3? tools/prepare_data\.py\s")
+from tools.shown_commands import PREPARES, parsed, readme_gpu_column, shown_commands
 
 
 def prepare_as_shown(command):
@@ -70,30 +29,8 @@ def prepare_as_shown(command):
     for part in command.split("&&")[:-1]:
         part = part.strip().lstrip("$ ")
         if PREPARES.match(part):
-            arguments = shlex.split(part)[2:]
-            sys.argv = ["prepare_data.py", *arguments]
+            sys.argv = ["prepare_data.py", *shlex.split(part)[2:]]
             runpy.run_path(str(REPO / "tools" / "prepare_data.py"), run_name="__main__")
-
-
-def parsed(command):
-    """(script, its arguments, launcher, processes per node, nodes, GPUs) of a shown command."""
-    tokens = shlex.split(command.split("&&")[-1].lstrip("$ "), comments=True)
-    start = next(i for i, token in enumerate(tokens) if token in LAUNCHERS)
-    launcher, tokens = LAUNCHERS[tokens[start]], tokens[start:]
-    at = next(i for i, token in enumerate(tokens) if Path(token).name in stepdiff.steps())
-    options = " ".join(tokens[1:at])
-    if launcher == "python" and options.startswith("-m torch.distributed.run"):
-        launcher = "torchrun"
-    per_node = re.search(r"--nproc[_-]per[_-]node[= ](\S+)", options)
-    # `torchrun ...` elides the launcher's options: the README's `--standalone --nproc_per_node=2`
-    per_node = per_node[1] if per_node else "2" if "..." in tokens[:at + 1] else "1"
-    nodes = re.search(r"--nnodes[= ](?:\d+:)?(\d+)", options)
-    gpus = per_node == "gpu"
-    # Placeholders for the epochs (TOTAL_EPOCHS, N): any number does.
-    arguments = ["2" if index < 2 and re.fullmatch(r"[A-Z][A-Z_]*", value) else value
-                 for index, value in enumerate(tokens[at + 1:])]
-    return (Path(tokens[at]).name, arguments, launcher, GPUS_PER_NODE if gpus else int(per_node),
-            int(nodes[1]) if nodes else 1, gpus)
 
 
 class Accepted(BaseException):
@@ -139,7 +76,8 @@ def run_until_it_starts(monkeypatch, tmp_path, command):
     raise AssertionError(f"{command}: ran to its end without starting its work")
 
 
-COMMANDS = shown_commands()
+# With the README's GPU column, whose short forms (`... --nproc_per_node=gpu ... --bf16`) complete to commands too.
+COMMANDS = list(dict.fromkeys(shown_commands() + readme_gpu_column()))
 
 
 def test_the_commands_are_found_in_every_page_that_shows_them():
@@ -160,6 +98,17 @@ def test_every_shown_command_is_accepted_on_the_machine_it_is_shown_for(monkeypa
     parts = [part.strip() for part in command.split("&&")[:-1]]
     prepared = {Path(shlex.split(part)[2]).parts[0] for part in parts if PREPARES.match(part)}
     assert {path.name for path in tmp_path.iterdir()} == prepared, "nothing but the token files shown first is written"
+
+
+def test_the_readmes_gpu_column_completes_its_short_forms_from_the_cpu_column():
+    column = [command for _, command in readme_gpu_column()]
+    assert column[:4] == ["python single_gpu.py 50 10", "python multigpu.py 50 10",  # "same", and step 2's own
+                          "torchrun --standalone --nproc_per_node=gpu multigpu_torchrun.py 50 10",
+                          "torchrun --standalone --nproc_per_node=gpu fsdp.py 50 10 --bf16"]
+    assert column[-1] == ("torchrun --standalone --nproc_per_node=gpu fault_tolerant.py 50 10 --group 0 --groups 2 "
+                          "--lighthouse http://127.0.0.1:29510")
+    # every step of the table but step 4, whose CPU column shows no command (one torchrun per node, on its page)
+    assert sorted(parsed(command)[0] for command in column) == sorted(set(stepdiff.steps()) - {"multinode.py"})
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

@@ -18,8 +18,10 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from expect import assert_bitwise_equal, sharded_snapshot, stopped_as_rank_0
+from tools import figures
 from tools.jobs import free_port, output, run, torchrun, torchrun_node
 from utils import evaluate, make_workload, require_written_by
+from utils.snapshot_reader import SnapshotReader
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, CausalSelfAttention
 
 GLOBAL_BATCH = 8  # sequences per optimizer step, all dp ranks together
@@ -200,6 +202,25 @@ def test_verbose_shows_each_rank_holding_half_of_every_split_matrix_and_a_quarte
 
 
 @pytest.mark.slow
+def test_the_pages_figure_is_drawn_from_this_job_with_each_ranks_block_of_every_matrix(two_d, tmp_path):
+    """docs/tensor-parallel.md's figure (`python tools/figures.py tensor-parallel`) runs the very job of the tests
+    above (in a test session the same shared run: drawing it costs a second) and draws what the job's snapshot says
+    each rank holds: the tp slice (rows for q and fc, columns for proj), then FSDP's half of it over dp."""
+    facts = figures.draw("tensor-parallel", tmp_path, work=tmp_path / "work")
+    assert (tmp_path / "tensor-parallel.png").stat().st_size > 20_000
+    assert facts["mesh"] == {rank: {"dp": rank // 2, "tp": rank % 2} for rank in range(4)}
+    for matrix, (shape, pieces) in facts["held"].items():
+        by_rows = matrix.split(".")[1] in ("q", "fc")
+        slice_shape = (shape[0] // 2, shape[1]) if by_rows else (shape[0], shape[1] // 2)
+        for rank, offsets, sizes in pieces:
+            dp, tp = rank // 2, rank % 2
+            tp_offset = (tp * slice_shape[0], 0) if by_rows else (0, tp * slice_shape[1])
+            assert sizes == (slice_shape[0] // 2, slice_shape[1]), (matrix, rank)
+            assert offsets == (tp_offset[0] + dp * sizes[0], tp_offset[1]), (matrix, rank)
+        assert sorted(rank for rank, _, _ in pieces) == [0, 1, 2, 3], matrix
+
+
+@pytest.mark.slow
 def test_every_rank_writes_its_shards_and_rank_0_a_full_model_that_a_plain_gpt_loads(two_d, text):
     """The full model is gathered in the order each weight was split (dp, then tp): torch has nothing to warn about
     (in one redistribution, every rank warned that it cannot merge the two all-gathers)."""
@@ -313,11 +334,11 @@ def test_a_snapshot_names_the_step_that_saved_it_and_another_steps_is_refused(tm
     for name, state in (("fsdp", dict(STEP="fsdp.py", EPOCHS_RUN=3)), ("older", dict(EPOCHS_RUN=1)),
                         ("own", dict(STEP="tensor_parallel.py", EPOCHS_RUN=2))):
         dcp.save(dict(MODEL_STATE={"w": torch.zeros(2)}, **state), checkpoint_id=tmp_path / name)
-    require_written_by("tensor_parallel.py", tmp_path / "own")
+    require_written_by("tensor_parallel.py", tmp_path / "own", SnapshotReader(tmp_path / "own"))
     for name, holds in (("fsdp", "fsdp.py's snapshot after 3 epochs"),
                         ("older", "a snapshot that names no step (an older one) after 1 epoch")):
         with pytest.raises(SystemExit) as stop:
-            require_written_by("tensor_parallel.py", tmp_path / name)
+            require_written_by("tensor_parallel.py", tmp_path / name, SnapshotReader(tmp_path / name))
         assert str(stop.value) == (f"error: {tmp_path / name} holds {holds}, not tensor_parallel.py's: give this run "
                                    f"its own --snapshot_path, or move {tmp_path / name} away to start anew; it is "
                                    "left in place")

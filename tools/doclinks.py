@@ -1,13 +1,13 @@
 """The links of the tutorial's pages: every relative link leads to a file that exists, and every #anchor to a heading
 of its target, as GitHub renders them.
 
-    python tools/doclinks.py        # list the broken links of README.md, docs/*.md and the notebooks; exit 1 if any
+    python tools/doclinks.py        # list the broken links of README.md, docs/ and the notebooks; exit 1 if any
 
 Checked: `[text](target)` and `![alt](target)` links and `[name]: target` definitions, outside code blocks and
-inline code, in README.md, docs/*.md and the notebooks' markdown cells. Web links (http, https, mailto) are not
-fetched. An anchor is a heading's GitHub id: its text lowercased, everything but letters, digits, `_`, `-` and
-spaces dropped, each space a `-`, and `-1`, `-2`... added to repeats (`## Step 5 — FSDP (`fsdp.py`)` becomes
-`#step-5--fsdp-fsdppy`).
+inline code, in README.md, docs/*.md, the steps' reference pages (docs/reference/*.md) and the notebooks' markdown
+cells. Web links (http, https, mailto) are not fetched. An anchor is a heading's GitHub id: its text lowercased,
+everything but letters, digits, `_`, `-` and spaces dropped, each space a `-`, and `-1`, `-2`... added to repeats
+(`## Step 5 — FSDP (`fsdp.py`)` becomes `#step-5--fsdp-fsdppy`).
 """
 import json
 import re
@@ -25,8 +25,10 @@ WEB = re.compile(r"^(?:[a-z][a-z0-9+.-]*:|//)", re.I)
 
 
 def pages():
-    """The pages whose links are checked: README.md, docs/*.md, notebooks/*.ipynb."""
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "notebooks").glob("*.ipynb"))]
+    """The pages whose links are checked: README.md, docs/*.md, docs/reference/*.md, notebooks/*.ipynb."""
+    docs = REPO / "docs"
+    return [REPO / "README.md", *sorted(docs.glob("*.md")), *sorted((docs / "reference").glob("*.md")),
+            *sorted((REPO / "notebooks").glob("*.ipynb"))]
 
 
 def markdown_of(path):

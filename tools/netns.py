@@ -13,7 +13,9 @@ import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-PREFIX = "ddpt"  # every namespace and link this project creates starts with it
+# Every namespace and link this project creates starts with it (TUTORIAL_NETNS_PREFIX gives another: several people
+# testing on one machine then tell theirs apart).
+PREFIX = os.environ.get("TUTORIAL_NETNS_PREFIX", "ddpt")
 
 
 @dataclass

@@ -9,8 +9,8 @@ workers). Written out in the steps they would be a fifth of each script, and the
 """
 from utils import gpt, synthetic, vision
 from utils.helpers import (being_written, configure_cpu_threads, dcp_folder, exists_on_any_rank, exit_without_teardown,
-                           latest_snapshot, load_seed_checkpoint, non_negative_int, non_negative_number, positive_int,
-                           positive_number, probability, quiet_torchft, reason, remove, replacing, require_a_gpu_each,
+                           latest_snapshot, non_negative_int, non_negative_number, positive_int, positive_number,
+                           probability, quiet_torchft, reason, remove, replacing, require_a_gpu_each,
                            require_epochs_left, require_same_arguments, require_same_start, require_torch_for_fsdp,
                            require_torchrun, require_tp_fits, require_written_by, snapshot_folder, snapshot_to_resume,
                            step_snapshot, stop_if_unloadable, weights_digest, whole_snapshots, writable_path)
@@ -46,7 +46,7 @@ def make_workload(name="synthetic", seed=SEED, **options):
 
 
 __all__ = ["attempt_store", "being_written", "configure_cpu_threads", "dcp_folder", "evaluate", "exists_on_any_rank",
-           "exit_without_teardown", "latest_snapshot", "load_seed_checkpoint", "log_memory", "log_rank_metrics",
+           "exit_without_teardown", "latest_snapshot", "log_memory", "log_rank_metrics",
            "log_slices", "make_workload", "mesh_with_timeout", "non_negative_int", "non_negative_number",
            "positive_int", "positive_number", "probability", "quiet_torchft", "reason", "remove", "rendezvous_port",
            "replacing", "require_a_gpu_each", "require_epochs_left", "require_same_arguments", "require_same_start",

@@ -23,6 +23,7 @@ Besides the Workload itself: encode() and decode() between text and token ids, u
 DDP or torch.compile, and flops_per_token(model), what one trained token costs (for the MFU, utils/loop.py).
 """
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import inspect
@@ -330,8 +331,10 @@ class GPT(nn.Sequential):
                 copy_part(whole, held[name])
 
     def get_extra_state(self):
-        """Saved in the state_dict beside the weights (as `_extra_state`): the text the model learns."""
-        return dict(text=self.text)
+        """Saved in the state_dict beside the weights (as `_extra_state`): the text the model learns. A copy of it: a
+        sharded load (DCP) writes the snapshot's values into the very dicts of the state_dict it fills, and the text
+        set_extra_state compares the snapshot's with must stay this model's own."""
+        return dict(text=copy.deepcopy(self.text))
 
     def set_extra_state(self, state):
         """Loading weights learned on another text would go on with every character's id shifted: refuse."""
@@ -339,7 +342,8 @@ class GPT(nn.Sequential):
         if self.text and theirs and theirs["sha256"] != self.text["sha256"]:
             raise ValueError(f"it holds a GPT of another text ({theirs['name']}, {theirs['characters']:,} characters) "
                              f"than this run's ({self.text['name']}, {self.text['characters']:,} characters): give "
-                             "the text it was trained on (--text), or another --snapshot_path to start anew")
+                             "the text it was trained on (--text; step 12: --data), or another --snapshot_path to "
+                             "start anew")
 
 
 def copy_part(whole, param):

@@ -5,13 +5,12 @@ import contextlib
 import errno
 import glob
 import hashlib
-import io
 import os
-import pickle
 import re
 import shutil
 import sys
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -136,10 +135,15 @@ def reason(error):
     failures = getattr(error, "failures", None)  # torch.distributed.checkpoint.CheckpointException: {rank: (error, tb)}
     if failures:
         rank, (cause, _) = next(iter(sorted(failures.items())))
-        return f"rank {rank}: {reason(cause)}"
+        # What makes a snapshot unusable is the same for every rank that reads it: said once, without a rank.
+        return reason(cause) if isinstance(cause, UnusableSnapshot) else f"rank {rank}: {reason(cause)}"
     lines = str(error).strip().splitlines() or [""]
     message = lines[0]
-    if message.startswith("Weights only load failed"):
+    if message.startswith("Cannot use ``weights_only=True`` with TorchScript archives"):
+        # torch advises loading it with weights_only=False, which runs the program it holds: not a snapshot's load.
+        message = ("not a file of tensors torch.load can read safely (a TorchScript archive: a saved program, not a "
+                   "snapshot)")
+    elif message.startswith("Weights only load failed"):
         # torch.load's long advice to load with weights_only=False is wrong here: a snapshot is tensors and plain
         # containers, and a file that names code must not be loaded. What it found is the part to show.
         said = re.search(r"WeightsUnpickler error: ([^\n]+)", str(error))
@@ -361,18 +365,20 @@ def _steps_of(snapshots):
 def rewound_to(path):
     """The step that the run which wrote the long run's snapshot at `path` was rewound to with --resume_from (its
     REWOUND_TO; 0: none, or a snapshot from before they said it). Read by this process alone, before the process
-    group forms: the snapshot checked first (require_a_checkpoint), then that one number read."""
+    group forms, through the steps' own reader (utils.snapshot_reader: as data only), that one number alone."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+    from utils.snapshot_reader import SnapshotReader
+
     with stop_if_unloadable(path):
-        require_a_checkpoint(path)
+        reader = SnapshotReader(path)
         values = dict(REWOUND_TO=0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP says it loads in one process: that is what is meant
-            dcp.load(values, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+            dcp.load(values, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
     return values["REWOUND_TO"]
 
 
@@ -403,7 +409,10 @@ def stop_if_unloadable(snapshot_path):
             model.load_state_dict(snapshot["MODEL_STATE"])
     """
     try:
-        yield
+        with warnings.catch_warnings():
+            # torch.load warns that it met a TorchScript archive before it refuses it: the line below says what it is.
+            warnings.filterwarnings("ignore", message="'torch.load' received a zip file that looks like a TorchScript")
+            yield
     except BaseException as error:
         # Ctrl-C and SystemExit go on as they are; DCP's CheckpointException is a BaseException, and is caught.
         if not isinstance(error, Exception) and type(error).__name__ != "CheckpointException":
@@ -469,100 +478,22 @@ class UnusableSnapshot(Exception):
     """What makes a snapshot unusable, in words (reason() shows the message alone, with no type)."""
 
 
-def require_a_checkpoint(path):
-    """Stop with UnusableSnapshot, saying in words what is wrong, unless `path` is a folder that a sharded save
-    (torch.distributed.checkpoint) finished, and that holds data only: a folder, holding the .metadata such a save
-    writes last, which reads as DCP's records and nothing else, and whose values that are no tensors (the step, the
-    epochs, the schedule's state) are numbers and text. Without this check DCP meets a file, an empty folder or a
-    garbled .metadata with a traceback per rank and attempt, then fails on a bare `metadata is None`; and it reads
-    .metadata with pickle and those values with torch.load(weights_only=False), either of which runs whatever code the
-    bytes name: a folder from someone else could make every rank run its code (docs/fault-tolerance.md, "A snapshot
-    is trusted input"). The values are read here as DCP will read them, so what passes holds nothing else."""
-    if not os.path.isdir(path):
-        raise UnusableSnapshot(f"it is a file, not the folder of a sharded snapshot{_single_file_step(path)}")
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise UnusableSnapshot("the folder holds no .metadata, the file a sharded save writes last: it is not a "
-                               "snapshot, or its save was cut short")
-    try:
-        with open(os.path.join(path, ".metadata"), "rb") as file:
-            metadata = _RecordsOnly(file).load()
-    except CodeInSnapshot as code:
-        raise UnusableSnapshot(f"its .metadata would call {code} as it is read: a snapshot holds tensors, numbers "
-                               "and text, and this one holds code") from None
-    except Exception as error:
-        raise UnusableSnapshot(f"its .metadata is not a sharded snapshot's ({reason(error)})") from None
-    _require_plain_values(path, metadata)
-
-
-class CodeInSnapshot(Exception):
-    """A global that a snapshot's pickle names and that no snapshot of the steps holds: `module.name`."""
-
-
-class _RecordsOnly(pickle.Unpickler):
-    """An unpickler of DCP's .metadata that builds DCP's own records (its dataclasses, torch.Size, dtypes, a path) and
-    refuses any other global with CodeInSnapshot: a pickle calls what it names, whatever that is."""
-
-    ALLOWED = {("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-        ("collections", "OrderedDict")}
-
-    def find_class(self, module, name):
-        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                torch.dtype)):
-            return super().find_class(module, name)
-        raise CodeInSnapshot(f"{module}.{name}")
-
-
-def _require_plain_values(path, metadata):
-    """Stop with UnusableSnapshot unless every value of the sharded snapshot at `path` that is no tensor (DCP keeps
-    each as a pickle, read back with torch.load(weights_only=False)) reads with torch.load(weights_only=True)."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-
-    for name, item in metadata.state_dict_metadata.items():
-        if not isinstance(item, BytesStorageMetadata):
-            continue
-        where = metadata.storage_data[MetadataIndex(name)]
-        if getattr(where, "transform_descriptors", None):
-            raise UnusableSnapshot(f"its {name} is stored transformed ({where.transform_descriptors}), which the "
-                                   "steps never write")
-        with open(os.path.join(path, where.relative_path), "rb") as file:
-            file.seek(where.offset)
-            data = file.read(where.length)
-        try:
-            torch.load(io.BytesIO(data), weights_only=True)
-        except pickle.UnpicklingError as error:
-            named = re.search(r"GLOBAL (\S+)", str(error))
-            raise UnusableSnapshot(f"its {name} would call {named[1] if named else 'code'} as it is read: a snapshot "
-                                   "holds tensors, numbers and text, and this one holds code") from None
-
-
-def _single_file_step(path):
-    """`(STEP's snapshot)` for a single-file snapshot that names its step, else ""."""
-    with contextlib.suppress(Exception):
-        return f" ({torch.load(path, map_location='cpu', weights_only=True)['STEP']}'s snapshot)"
-    return ""
-
-
-def require_written_by(step, path, snapshot=None):
+def require_written_by(step, path, snapshot):
     """Stop with one line, before a snapshot is resumed, unless `step` (a script's name) saved it: a snapshot of
     another step goes on with another loop, even where the model is the same (step 5 trains the GPT with no schedule,
     step 7 splits it, step 9 resumes step 6's file as its own). The line says what the snapshot holds and what to do;
     the snapshot is left as it is. Every step names itself in its snapshots (STEP); one without the name is from
     before they did.
 
-    `snapshot`: a single-file snapshot, already loaded (a dict): its STEP is read there, on this rank alone. Without
-    it, `path` is a sharded snapshot (a folder), checked first (require_a_checkpoint), then its STEP and EPOCHS_RUN
-    read with torch.distributed.checkpoint: a collective, call it on every rank."""
-    if snapshot is None:
+    `snapshot`: a single-file snapshot, already loaded (a dict), whose STEP is read there, on this rank alone; or the
+    SnapshotReader of a sharded one (a folder: utils.snapshot_reader), through which its STEP and EPOCHS_RUN are read
+    with torch.distributed.checkpoint: a collective, call it on every rank."""
+    if not isinstance(snapshot, dict):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-        require_a_checkpoint(path)
-        snapshot = dict(STEP="", EPOCHS_RUN=0, STEPS_RUN=-1)
-        dcp.load(snapshot, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))  # missing: kept
+        reader, snapshot = snapshot, dict(STEP="", EPOCHS_RUN=0, STEPS_RUN=-1)
+        dcp.load(snapshot, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))  # missing: kept
     saved, epochs_run = snapshot.get("STEP", ""), snapshot.get("EPOCHS_RUN", 0)
     if saved != step:
         # The long run (step 12) counts optimizer steps; every other step, epochs.
@@ -571,27 +502,6 @@ def require_written_by(step, path, snapshot=None):
         holds = f"{saved}'s snapshot" if saved else "a snapshot that names no step (an older one)"
         raise SystemExit(f"error: {path} holds {holds} after {epochs}, not {step}'s: give this run its own "
                          f"--snapshot_path, or move {path} away to start anew; it is left in place")
-
-
-def load_seed_checkpoint(model, path):
-    """Fill `model`'s weights (DTensors sharded over a mesh, or whole) with those of the seed checkpoint at `path` (a
-    DCP folder of one process's initial weights under MODEL_STATE: tools/seed_checkpoint.py writes it), each rank
-    reading only its own shards. One line and exit if it cannot: the weights of another model or text (a folder that
-    holds no checkpoint at all is refused before, by the argument's type: dcp_folder). A collective: call it on every
-    rank."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    weights = get_model_state_dict(model)  # the model's own tensors, under the whole model's names
-    try:
-        require_a_checkpoint(path)
-        dcp.load({"MODEL_STATE": weights}, checkpoint_id=path)
-        set_model_state_dict(model, weights)
-    except BaseException as error:
-        if not isinstance(error, Exception) and type(error).__name__ != "CheckpointException":
-            raise
-        raise SystemExit(f"error: cannot start from --seed_checkpoint {path} ({reason(error)}): write it again with "
-                         "tools/seed_checkpoint.py, with the step's --workload and --text") from None
 
 
 def require_epochs_left(epochs_run, total_epochs, snapshot_path, unit="epochs"):

@@ -1,0 +1,531 @@
+"""The pictures of the steps' pages, each drawn from a real run of the step: the run goes through tools/jobs, as a
+test's does, and what it printed, recorded or saved is drawn with matplotlib into docs/figures/<page>.png.
+
+    python tools/figures.py                      # every figure: one or two short jobs of each step
+    python tools/figures.py tensor-parallel      # one of them: docs/figures/tensor-parallel.png
+    python tools/figures.py --list               # the figures, and the run each is drawn from
+
+Each figure is named by the page that shows it (docs/fsdp.md shows figures/fsdp.png) and says at its foot the command
+it was drawn from and how busy the machine was. What is drawn comes from the run only: who holds which block of a
+weight is read from the run's sharded snapshot (its .metadata names the file, one per rank, that holds each block),
+the pipeline's passes and the routers' choices from the job runner's recorder (tools/jobs/recorder), the ring's sends
+from its record of every collective, the memory from the tables `--verbose` prints. All seven took 33 minutes on a
+shared 2-core machine at load 20 to 40 (the expert-parallel one, an epoch of the help pages, the longest: 8 minutes).
+"""
+import argparse
+import re
+import sys
+import tempfile
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run as `python tools/figures.py`: the repository's packages
+
+from tools import pipeline_timeline  # noqa: E402
+from tools.jobs import machine_summary, output, run, shared_file, shown, torchrun  # noqa: E402
+from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages  # noqa: E402
+from utils.metrics import RUN_DIR_VARIABLE  # noqa: E402
+
+FOLDER = REPO / "docs" / "figures"
+RANK_COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive"]
+# The excerpt of the help pages that the GPT steps' exact jobs learn (64 training sequences of 64 characters): the
+# jobs below that learn it are the tests' own, and in a test session run once for both (tools.jobs.run(shared=True)).
+EXCERPT_CHARS = 4600
+
+
+def excerpt(chars=EXCERPT_CHARS):
+    """The first `chars` characters of the help pages, as a file named by its content."""
+    return shared_file("help_excerpt.txt" if chars == EXCERPT_CHARS else f"help_{chars}.txt", help_pages()[:chars])
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def footer(figure, jobs, name):
+    """The commands the figure was drawn from (of a job, or of a list of them), and the machine they ran on, at the
+    figure's foot."""
+    width = int(figure.get_figwidth() * 15)  # characters of 7 points in a line of the figure's width
+    commands = "\n".join(textwrap.fill(re.sub(r"\S*/(?:[0-9a-f]+-)?(help_[\w.]+)", r"\1", shown(command)), width,
+                                       subsequent_indent="    ")
+                         for job in (jobs if isinstance(jobs, list) else [jobs]) for command in job.commands)
+    text = f"drawn by python tools/figures.py {name}, from:\n{commands}\n{machine_summary()}"
+    figure.text(0.005, 0.005, text, fontsize=7, color="dimgray", va="bottom", family="monospace")
+    # The drawing above the footer's lines (7 points each, and a margin).
+    figure.tight_layout(rect=(0, (text.count("\n") + 2) * 0.14 / figure.get_figheight(), 1, 1))
+
+
+def mkdir(path):
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def save(figure, path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    pyplot().close(figure)
+
+
+def blocks_held(snapshot, prefix="MODEL_STATE."):
+    """{weight's name: (its whole shape, [(rank, offsets, sizes), ...])}: which rank's file of a DCP snapshot holds
+    which block of every weight (a block several ranks hold alike is written, and listed, once)."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(snapshot)).read_metadata()
+    files = {(index.fqn, tuple(index.offset)): info.relative_path for index, info in metadata.storage_data.items()
+             if index.offset is not None}
+    held = {}
+    for fqn, tensor in metadata.state_dict_metadata.items():
+        if fqn.startswith(prefix) and hasattr(tensor, "chunks"):
+            pieces = [(int(re.match(r"__(\d+)_", files[fqn, tuple(chunk.offsets)])[1]), tuple(chunk.offsets),
+                       tuple(chunk.sizes)) for chunk in tensor.chunks]
+            held[fqn[len(prefix):]] = (tuple(tensor.size), sorted(pieces))
+    return held
+
+
+def draw_blocks(axes, shape, pieces, title, labels):
+    """A weight as a rectangle of its rows and columns, each rank's block in the rank's color and named."""
+    rows, columns = shape if len(shape) == 2 else (shape[0], 1)
+    for rank, offsets, sizes in pieces:
+        top, left = offsets[0], offsets[1] if len(offsets) > 1 else 0
+        height, width = sizes[0], sizes[1] if len(sizes) > 1 else 1
+        axes.add_patch(pyplot().Rectangle((left, top), width, height, facecolor=RANK_COLORS[rank], alpha=0.75,
+                                          edgecolor="black", linewidth=0.8))
+        axes.text(left + width / 2, top + height / 2, labels(rank, offsets, sizes), ha="center", va="center",
+                  fontsize=8)
+    axes.set(xlim=(0, columns), ylim=(rows, 0), aspect="equal", title=title)
+    axes.set_xticks([0, columns]), axes.set_yticks([0, rows])
+    axes.tick_params(labelsize=7)
+    axes.title.set_fontsize(9)
+
+
+def ranges(offsets, sizes, shape=None):
+    """'rows 16-31', or 'rows 0-31' and 'cols 32-63' on two lines: a block's rows and columns (a dimension the block
+    spans whole, of a weight of `shape`, left out)."""
+    names = ["rows", "cols"]
+    return "\n".join(f"{names[dim]} {offsets[dim]}-{offsets[dim] + sizes[dim] - 1}" for dim in range(len(sizes))
+                     if shape is None or sizes[dim] != shape[dim])
+
+
+# --- step 5: FSDP ----------------------------------------------------------------------------------------------------
+
+def fsdp(work):
+    """fsdp.py's wide model on 2 processes, sharded and copied: the rows of one weight each rank holds, and each rank's
+    training state, from the memory table `--verbose` prints after training."""
+    wide = ["--workload", "wide", "--batch_size", 64, "--verbose"]
+    # The DDP run is tests/test_fsdp.py's and notebook 05's: in a test session, one run for all three.
+    runs = {"FSDP (the default)": run(torchrun("fsdp.py", 2, 1, *wide), cwd=mkdir(work / "fsdp"), timeout=900),
+            "DDP (--strategy ddp)": run(torchrun("fsdp.py", 2, 1, *wide, "--strategy", "ddp"),
+                                        cwd=mkdir(work / "ddp"), timeout=900, shared=True)}
+    weight = "1.linear.weight"
+    shape, pieces = blocks_held(runs["FSDP (the default)"].cwd / "snapshot")[weight]
+    state = {label: {row["rank"]: row for row in output.memory_tables(job.output)["end"]}
+             for label, job in runs.items()}
+
+    plt = pyplot()
+    figure, (ddp_axes, fsdp_axes, bars) = plt.subplots(1, 3, figsize=(12, 4.2),
+                                                       gridspec_kw=dict(width_ratios=[1.5, 1, 1.6]))
+    # DDP: a whole copy on each rank, side by side.
+    copies = (shape[0], shape[1] * 2 + shape[1] // 6)
+    draw_blocks(ddp_axes, copies, [(0, (0, 0), shape), (1, (0, copies[1] - shape[1]), shape)],
+                f"DDP: {weight} ({shape[0]}x{shape[1]}), a copy on each rank",
+                lambda rank, offsets, sizes: f"rank {rank}\nall of it")
+    ddp_axes.set_xticks([0, shape[1], copies[1] - shape[1], copies[1]], [0, shape[1], 0, shape[1]])
+    draw_blocks(fsdp_axes, shape, pieces, f"FSDP: {weight}, read from the snapshot",
+                lambda rank, offsets, sizes: f"rank {rank}\n{ranges(offsets, sizes, shape)}")
+    parts = {"params MiB": ("parameters", 0.95), "grads MiB": ("gradients", 0.6), "optim MiB": ("Adam's state", 0.3)}
+    y, ticks = 0, []
+    for label, rows in state.items():
+        for rank, row in sorted(rows.items()):
+            left = 0
+            for part, (_, alpha) in parts.items():
+                bars.barh(y, row[part], left=left, color=RANK_COLORS[rank], alpha=alpha, edgecolor="black",
+                          linewidth=0.5)
+                left += row[part]
+            bars.text(left + 0.2, y, f"{left:.2f} MiB", va="center", fontsize=8)
+            ticks.append((y, f"{label.split(' ')[0]}, rank {rank}"))
+            y += 1
+        y += 0.5
+    bars.legend([plt.Rectangle((0, 0), 1, 1, facecolor="gray", alpha=alpha, edgecolor="black")
+                 for _, alpha in parts.values()], [name for name, _ in parts.values()], fontsize=8,
+                loc="upper right")
+    bars.set_yticks([tick for tick, _ in ticks], [text for _, text in ticks], fontsize=8)
+    bars.invert_yaxis()
+    bars.set(xlabel="MiB each rank holds after training (--verbose's table)", title="the training state per rank")
+    bars.set_xlim(0, max(sum(row[part] for part in parts) for rows in state.values() for row in rows.values()) * 1.3)
+    bars.title.set_fontsize(9)
+    figure.suptitle("FSDP: each rank holds its half of every weight, gradient and Adam state; DDP: all of it",
+                    fontsize=10)
+    totals = {label: {rank: sum(row[part] for part in parts) for rank, row in rows.items()}
+              for label, rows in state.items()}
+    return figure, list(runs.values()), dict(shape=shape, pieces=pieces, state=totals)
+
+
+# --- step 6: the GPT -------------------------------------------------------------------------------------------------
+
+def gpt(work):
+    """gpt.py on 2 processes, 2 micro-batches a step, every optimizer step recorded: the loss of each step (both
+    ranks' micro-batches), the learning rate the schedule gave it, and how many times DDP all-reduced for it."""
+    epochs, accumulation = 2, 2
+    job = run(torchrun("gpt.py", epochs, epochs, "--batch_size", 16, "--grad_accum", accumulation),
+              cwd=mkdir(work / "gpt"), record_steps=True, timeout=900)
+    steps = sorted((step for step in job.records("steps.jsonl") if step["rank"] == 0), key=lambda step: step["step"])
+    per_epoch = len(steps) // epochs
+    # Each micro-batch's loss as backward() got it, divided by the micro-batches of its step: times them again.
+    step_losses = {}
+    for epoch_pass in job.records("samples.jsonl"):
+        losses = epoch_pass["losses"]
+        for first in range(0, len(losses), accumulation):
+            group = losses[first:first + accumulation]
+            step = epoch_pass["number"] * per_epoch + first // accumulation
+            step_losses.setdefault(step, []).extend(loss * len(group) for loss in group)
+    numbers = sorted(step_losses)
+    plt = pyplot()
+    figure, (loss_axes, rate_axes) = plt.subplots(2, 1, figsize=(11, 5.2), sharex=True)
+    loss_axes.plot([n + 1 for n in numbers], [sum(step_losses[n]) / len(step_losses[n]) for n in numbers],
+                   color="tab:blue", linewidth=1)
+    loss_axes.set(ylabel="loss (mean of the step's\n2 ranks x 2 micro-batches)",
+                  title="the loss of every optimizer step: it falls from about ln(vocabulary) as the GPT learns")
+    rate_axes.plot(range(1, len(steps) + 1), [step["lr"] for step in steps], color="tab:green")
+    rounds = Counter(step["rounds"] for step in steps)
+    counted = (f"once in each of the {len(steps)} steps" if set(rounds) == {1} else
+               ", ".join(f"{times} times in {steps_with} of the {len(steps)} steps"
+                         for times, steps_with in sorted(rounds.items())))
+    rate_axes.set(xlabel="optimizer step", ylabel="learning rate",
+                  title=f"the learning rate: a warm-up, then a cosine down to a tenth of its peak; DDP all-reduced the "
+                        f"gradients {counted} (recorded)")
+    for axes in (loss_axes, rate_axes):
+        axes.grid(alpha=0.3)
+        axes.title.set_fontsize(9)
+    for epoch in range(1, epochs):
+        for axes in (loss_axes, rate_axes):
+            axes.axvline(epoch * per_epoch + 0.5, color="gray", linestyle=":")
+        loss_axes.text(epoch * per_epoch + 1, loss_axes.get_ylim()[1] * 0.97, f" epoch {epoch}", va="top", fontsize=8,
+                       color="gray")
+    figure.suptitle("gpt.py: two ranks, gradient accumulation over 2 micro-batches, AdamW with a warm-up and a cosine",
+                    fontsize=10)
+    return figure, job, dict(steps=len(steps), rounds=dict(rounds), first_loss=step_losses[numbers[0]],
+                             last_loss=step_losses[numbers[-1]], peak_lr=max(step["lr"] for step in steps))
+
+
+# --- step 7: tensor parallelism, and 2D ------------------------------------------------------------------------------
+
+TP_MATRICES = {"attention.q.weight": "ColwiseParallel: rows (heads) split by tp",
+               "attention.proj.weight": "RowwiseParallel: columns split by tp",
+               "mlp.fc.weight": "ColwiseParallel:\nrows split by tp",
+               "mlp.proj.weight": "RowwiseParallel: columns split by tp"}
+
+
+def tensor_parallel(work):
+    """tensor_parallel.py on 4 processes, dp 2 x tp 2 (the tests' and notebook 07's job: in a test session, one run
+    for all): the mesh the ranks formed (recorded), and which block of each matrix of block0 each rank holds, read
+    from the run's sharded snapshot: tp's slice, then FSDP's half of it over dp."""
+    env = {TEXT_VARIABLE: excerpt(), DROPOUT_VARIABLE: 0}
+    job = run(torchrun("tensor_parallel.py", 2, 1, "--tp", 2, "--batch_size", 4, "--verbose", "--workload",
+                       "gpt-cpu", nproc=4), cwd=mkdir(work / "tensor_parallel"), env=env, record=True, timeout=900,
+              shared=True)
+    mesh = {row["rank"]: row["mesh"] for row in job.samples if row["restart"] == 0}
+    held = blocks_held(job.cwd / "tp_snapshot")
+
+    plt = pyplot()
+    figure = plt.figure(figsize=(12, 7.2))
+    grid = figure.add_gridspec(2, 4, width_ratios=[1.2, 1, 1, 0.6])
+    draw_mesh_2d(figure.add_subplot(grid[0, 0]), mesh, ("dp", "tp"))
+    note = figure.add_subplot(grid[1, 0])
+    note.axis("off")
+    note.text(0, 0.95, "A tp group (a row of the mesh) computes\none model: each of its ranks holds a\nslice of "
+                       "every matrix. FSDP (a column)\nsplits that slice again over dp, and\ngathers it back just "
+                       "before the block\nruns. The two tp groups train on\ndifferent halves of each batch.",
+              va="top", fontsize=9)
+    spots = [grid[0, 1], grid[0, 2], grid[:, 3], grid[1, 1:3]]
+    for spot, (matrix, style) in zip(spots, TP_MATRICES.items()):
+        shape, pieces = held[f"block0.{matrix}"]
+        draw_blocks(figure.add_subplot(spot), shape, pieces, f"block0.{matrix} ({shape[0]}x{shape[1]})\n{style}",
+                    lambda rank, offsets, sizes, shape=shape: f"rank {rank}\n{ranges(offsets, sizes, shape)}")
+    figure.suptitle("tensor_parallel.py on 4 ranks, dp 2 x tp 2: which block of each matrix every rank holds "
+                    "(read from the run's snapshot)", fontsize=10)
+    return figure, job, dict(mesh=mesh, held={name: held[f"block0.{name}"] for name in TP_MATRICES})
+
+
+def draw_mesh_2d(axes, mesh, names):
+    """The ranks of a 2-D mesh as a grid, a row per coordinate of names[0], a column per coordinate of names[1]."""
+    rows, columns = names
+    for rank, place in mesh.items():
+        axes.add_patch(pyplot().Rectangle((place[columns], place[rows]), 0.92, 0.92, facecolor=RANK_COLORS[rank],
+                                          alpha=0.75, edgecolor="black"))
+        axes.text(place[columns] + 0.46, place[rows] + 0.46, f"rank {rank}\n{rows} {place[rows]}, {columns} "
+                                                             f"{place[columns]}", ha="center", va="center", fontsize=8)
+    size = [max(place[name] for place in mesh.values()) + 1 for name in names]
+    axes.set(xlim=(-0.05, size[1]), ylim=(size[0], -0.05), aspect="equal",
+             title=f"the mesh (recorded): a row is\na {columns} group, a column a {rows} group")
+    axes.set_xticks([]), axes.set_yticks([])
+    axes.title.set_fontsize(9)
+
+
+# --- step 8: pipeline parallelism ------------------------------------------------------------------------------------
+
+def pipeline_parallel(work):
+    """pipeline_parallel.py on 2 processes, 2 stages, batches of 128 sequences in 4 micro-batches, GPipe then 1F1B,
+    every pass of every stage recorded: of each, the fastest of its ten steps after the first (other work only ever
+    slows a step down)."""
+    text = excerpt(100_000)
+    jobs, steps = {}, {}
+    for schedule in ("gpipe", "1f1b"):
+        jobs[schedule] = run(torchrun("pipeline_parallel.py", 1, 1, "--schedule", schedule, "--microbatches", 4,
+                                      "--batch_size", 128, "--text", text, "--dropout", 0),
+                             cwd=mkdir(work / schedule), record=True, timeout=900)
+        by_step = pipeline_timeline.by_step(jobs[schedule].records("pipeline.jsonl"))
+        later = {step: events for step, events in by_step.items() if step > 0}
+        steps[schedule] = min(later.values(), key=lambda events: pipeline_timeline.idle(events)[0])
+    plt = pyplot()
+    figure, axes = plt.subplots(2, 1, figsize=(11, 4.6))
+    facts = {}
+    for row, (schedule, events) in zip(axes, steps.items()):
+        span, idles = pipeline_timeline.idle(events)
+        title = {"gpipe": "GPipe: every forward, then every backward",
+                 "1f1b": "1F1B: fill the pipeline, then one backward, one forward"}[schedule]
+        pipeline_timeline.draw(row, events, f"{title} ({span * 1e3:.0f} ms; the formula's bubble: "
+                                            f"{pipeline_timeline.bubble(2, 4):.0%})")
+        row.title.set_fontsize(9)
+        facts[schedule] = dict(order={stage: pipeline_timeline.order(events, stage) for stage in (0, 1)},
+                               idle=idles, held={stage: pipeline_timeline.held(events, stage)[0] for stage in (0, 1)})
+    figure.suptitle("pipeline_parallel.py, 2 stages, 4 micro-batches: a box per pass (light: forward, dark: backward, "
+                    "its micro-batch's number); white: the bubble", fontsize=10)
+    return figure, list(jobs.values()), facts
+
+
+# --- step 9: context parallelism -------------------------------------------------------------------------------------
+
+def context_parallel(work, step=2):
+    """context_parallel.py on 4 processes, one cp group of 4 (the ring), bf16, every send recorded: the chunks of the
+    sequence each rank holds, and every send of one optimizer step, rank by rank, in time."""
+    job = run(torchrun("context_parallel.py", 1, 1, "--cp", 4, "--context", 64, "--batch_size", 8, "--precision",
+                       "bf16", "--text", excerpt(), "--dropout", 0, nproc=4),
+              cwd=mkdir(work / "context_parallel"), record_collectives=True, timeout=900)
+    positions = {row["rank"]: row["context"]["positions"] for row in job.samples}
+    events = [event for event in job.records("collectives.jsonl") if event["step"] == step]
+    sends = [event for event in events if event["event"] == "call" and event["op"] == "isend"]
+    backwards = {event["rank"]: event for event in events if event["event"] == "backward"}
+    start = min(event["began"] for event in sends)
+
+    def kind(send):
+        if not send["in_backward"]:
+            return "forward: a block of keys and values"
+        return "backward: the gradients of a block (float32)" if "float32" in send["dtypes"] else \
+            "backward: a block of keys and values, again"
+
+    plt = pyplot()
+    figure, (split_axes, time_axes) = plt.subplots(2, 1, figsize=(11, 6.2), gridspec_kw=dict(height_ratios=[1, 3]))
+    context = sum(len(held) for held in positions.values())
+    for rank, held in positions.items():
+        for position in held:
+            split_axes.add_patch(plt.Rectangle((position, 0), 1, 1, facecolor=RANK_COLORS[rank], alpha=0.75,
+                                               edgecolor="white", linewidth=0.3))
+    chunk = context // (2 * len(positions))
+    for number in range(2 * len(positions)):
+        owner = next(rank for rank, held in positions.items() if number * chunk in held)
+        split_axes.text((number + 0.5) * chunk, 0.5, f"chunk {number}\nrank {owner}", ha="center", va="center",
+                        fontsize=8)
+    split_axes.set(xlim=(0, context), ylim=(0, 1), yticks=[], xlabel="position in the sequence",
+                   title=f"the split (recorded): {context} positions in {2 * len(positions)} chunks, rank r holds "
+                         f"chunks r and {2 * len(positions) - 1} - r")
+    markers = {"forward: a block of keys and values": ("tab:blue", "v"),
+               "backward: a block of keys and values, again": ("tab:orange", "v"),
+               "backward: the gradients of a block (float32)": ("tab:red", "D")}
+    for rank, event in backwards.items():
+        time_axes.axvspan((event["began"] - start) * 1e3, (event["ended"] - start) * 1e3,
+                          ymin=1 - (rank + 0.9) / len(positions), ymax=1 - (rank + 0.1) / len(positions),
+                          color="gray", alpha=0.12)
+    counts = Counter()
+    for send in sends:
+        label = kind(send)
+        counts[label, send["rank"]] += 1
+        color, marker = markers[label]
+        at = (send["began"] - start) * 1e3
+        # An arrow down from the sender's row, toward the next rank (rank 3's goes round to rank 0).
+        time_axes.annotate("", xy=(at, send["rank"] + 0.42), xytext=(at, send["rank"]),
+                           arrowprops=dict(arrowstyle="->", color=color, alpha=0.7, linewidth=1))
+        time_axes.plot(at, send["rank"], marker=marker, color=color, markersize=5, linestyle="none", label=label)
+    handles = dict(zip(*reversed(time_axes.get_legend_handles_labels())))
+    time_axes.legend(handles.values(), handles.keys(), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2),
+                     ncol=3)
+    peers = {send["rank"]: send["peer"] for send in sends}
+    time_axes.set(ylim=(len(positions) - 0.4, -0.4), yticks=range(len(positions)),
+                  yticklabels=[f"rank {rank}\nsends to {peers[rank]}" for rank in range(len(positions))],
+                  xlabel=f"milliseconds since the first send of optimizer step {step} (grey: the rank's backward)",
+                  title="every send of one optimizer step, as it was posted: 3 hops a layer, 2 layers, forward "
+                        "then backward")
+    for axes in (split_axes, time_axes):
+        axes.title.set_fontsize(9)
+    figure.suptitle("context_parallel.py, one cp group of 4: each rank holds 2 chunks of every sequence, and keys and "
+                    "values go round the ring", fontsize=10)
+    return figure, job, dict(positions=positions, sends={f"{label} | rank {rank}": count
+                                                         for (label, rank), count in sorted(counts.items())})
+
+
+# --- step 10: expert parallelism -------------------------------------------------------------------------------------
+
+def expert_parallel(work, experts=4, top_k=2):
+    """expert_parallel.py on 2 processes, --ep 2, one epoch of the help pages, every router's choices recorded: the
+    share of each expert in every step, layer by layer, and how many assignments each rank sent to each rank."""
+    job = run(torchrun("expert_parallel.py", 1, 1, "--ep", 2, "--top_k", top_k), cwd=mkdir(work / "expert_parallel"),
+              record=True, timeout=900)
+    routes = {row["rank"]: row["routes"] for row in job.samples if row["routes"]}
+    layers = 2
+    ep = len(routes)
+    holder = {expert: expert * ep // experts for expert in range(experts)}
+    # shares[layer][step][expert]: the expert's share of every rank's assignments in that forward.
+    shares = [[] for _ in range(layers)]
+    sent = Counter()
+    for forward in range(len(routes[0])):
+        step, layer = divmod(forward, layers)
+        counts = Counter()
+        for rank, passes in routes.items():
+            chosen = bytes.fromhex(passes[forward])
+            counts.update(chosen)
+            for expert in chosen:
+                sent[rank, holder[expert]] += 1
+        total = sum(counts.values())
+        shares[layer].append([counts[expert] / total for expert in range(experts)])
+    plt = pyplot()
+    figure = plt.figure(figsize=(12, 4.8))
+    grid = figure.add_gridspec(1, 3, width_ratios=[1.6, 1.6, 1])
+    shades = {0: ["#1f77b4", "#9ecae1"], 1: ["#ff7f0e", "#fdbe85"]}
+    for layer in range(layers):
+        axes = figure.add_subplot(grid[0, layer])
+        steps = range(1, len(shares[layer]) + 1)
+        axes.stackplot(steps, *zip(*shares[layer]), colors=[shades[holder[e]][e % 2] for e in range(experts)],
+                       labels=[f"expert {e} (on rank {holder[e]})" for e in range(experts)], alpha=0.9)
+        for boundary in range(1, experts):
+            axes.axhline(boundary / experts, color="black", linewidth=0.6, linestyle=":")
+        axes.set(xlim=(1, len(shares[layer])), ylim=(0, 1), xlabel="optimizer step",
+                 ylabel="share of the step's assignments" if layer == 0 else None,
+                 title=f"block{layer}'s router: each expert's share of the step\n(dotted: an even split, "
+                       f"{1 / experts:.0%} each)")
+        axes.title.set_fontsize(9)
+        if layer == 0:
+            axes.legend(fontsize=7, loc="upper right", framealpha=0.9)
+    matrix = figure.add_subplot(grid[0, 2])
+    table = [[sent[source, target] for target in range(ep)] for source in range(ep)]
+    matrix.imshow([[count / sum(row) for count in row] for row in table], cmap="Blues", vmin=0, vmax=1)
+    for source in range(ep):
+        for target in range(ep):
+            share = table[source][target] / sum(table[source])
+            matrix.text(target, source, f"{table[source][target]:,}\n({share:.0%})", ha="center", va="center",
+                        fontsize=9, color="white" if share > 0.6 else "black")
+    matrix.set(xticks=range(ep), yticks=range(ep), xlabel="to the rank holding the expert",
+               ylabel="from the rank whose token it is", title="assignments in the epoch, by rank:\n"
+                                                               "off the diagonal, sent by all-to-all")
+    matrix.set_xticklabels([f"rank {rank}" for rank in range(ep)]), matrix.set_yticklabels(
+        [f"rank {rank}" for rank in range(ep)])
+    matrix.title.set_fontsize(9)
+    figure.suptitle(f"expert_parallel.py on 2 ranks, --ep 2, top-{top_k}: where the routers sent the tokens, step by "
+                    f"step (recorded)", fontsize=10)
+    return figure, job, dict(steps=len(shares[0]), first=[shares[layer][0] for layer in range(layers)],
+                             last=[shares[layer][-1] for layer in range(layers)], sent=dict(sent))
+
+
+# --- step 11: one mesh -----------------------------------------------------------------------------------------------
+
+MESH_MATRICES = ["embed.token.weight", "block0.attention.q.weight", "block1.mlp.proj.weight"]
+
+
+def one_mesh(work, pp=2, tp=2):
+    """one_mesh.py on 8 processes, pp 2 x dp 2 x tp 2 (the tests' and notebook 11's job: in a test session, one run
+    for all): the layers every rank holds, and the block of three weights each rank holds, read from the run's
+    sharded snapshot."""
+    job = run(torchrun("one_mesh.py", 3, 1, "--workload", "gpt-cpu", "--text", excerpt(), "--dropout", 0,
+                       "--batch_size", 4, "--pp", pp, "--tp", tp, "--microbatches", 2, nproc=8, launcher_args=[]),
+              cwd=mkdir(work / "one_mesh"), env={RUN_DIR_VARIABLE: "runs"}, timeout=900, shared=True)
+    held = blocks_held(job.cwd / "mesh_snapshot")
+    ranks = 8
+    dp = ranks // (pp * tp)
+    order = ["embed", *sorted({name.split(".")[0] for name in held if name.startswith("block")}), "head"]
+    layers = {rank: [layer for layer in order if any(name.split(".")[0] == layer and holder == rank
+                                                     for name, (_, pieces) in held.items() for holder, _, _ in pieces)]
+              for rank in range(ranks)}
+    plt = pyplot()
+    figure = plt.figure(figsize=(12, 6))
+    grid = figure.add_gridspec(2, 3, height_ratios=[1.15, 1], width_ratios=[1, 1, 1.6])
+    axes = figure.add_subplot(grid[0, :])
+    for rank in range(ranks):
+        p, d, t = rank // (dp * tp), rank // tp % dp, rank % tp
+        left, top = p * (tp + 0.6) + t, d
+        axes.add_patch(plt.Rectangle((left, top), 0.94, 0.9, facecolor=RANK_COLORS[rank], alpha=0.7,
+                                     edgecolor="black"))
+        stages = ", ".join(f"{layer} (stage {order.index(layer) * 2 * pp // len(order)})" for layer in layers[rank])
+        axes.text(left + 0.47, top + 0.45, f"rank {rank}: pp {p}, dp {d}, tp {t}\n{stages}", ha="center",
+                  va="center", fontsize=8)
+    for p in range(pp):
+        axes.text(p * (tp + 0.6) + tp / 2, -0.12, f"pipeline rank {p}: stages {p} and {p + pp}", ha="center",
+                  fontsize=9)
+    for p in range(pp - 1):
+        for arrow, y in (("->", dp / 2 - 0.1), ("<-", dp / 2 + 0.1)):
+            axes.annotate("", xy=((p + 1) * (tp + 0.6) - 0.02, y), xytext=(p * (tp + 0.6) + tp - 0.02, y),
+                          arrowprops=dict(arrowstyle=arrow, color="black"))
+        axes.text((p + 1) * (tp + 0.6) - 0.31, dp / 2 + 0.3, "a micro-batch:\nstage 0 -> 1 -> 2 -> 3,\n"
+                  "its gradients back", ha="center", va="top", fontsize=7)
+    axes.set(xlim=(-0.1, pp * (tp + 0.6) - 0.5), ylim=(dp, -0.35))
+    axes.axis("off")
+    axes.set_title("the mesh (pp, dp, tp): a row of a pipeline rank's box is a tp group, a column a dp group; the "
+                   "layers each rank holds, from the snapshot", fontsize=9)
+    for spot, name in zip([grid[1, 0], grid[1, 1], grid[1, 2]], MESH_MATRICES):
+        shape, pieces = held[name]
+        draw_blocks(figure.add_subplot(spot), shape, pieces, f"{name} ({shape[0]}x{shape[1]})",
+                    lambda rank, offsets, sizes, shape=shape: f"rank {rank}\n{ranges(offsets, sizes, shape)}")
+    figure.suptitle("one_mesh.py on 8 ranks, pp 2 x dp 2 x tp 2: who holds what (read from the run's sharded "
+                    "snapshot)", fontsize=10)
+    return figure, job, dict(layers=layers, held={name: held[name] for name in MESH_MATRICES})
+
+
+# --- drawing them ----------------------------------------------------------------------------------------------------
+
+# Each figure, by the page that shows it (docs/<page>.md shows figures/<page>.png).
+FIGURES = {"fsdp": fsdp, "gpt": gpt, "tensor-parallel": tensor_parallel, "pipeline-parallel": pipeline_parallel,
+           "context-parallel": context_parallel, "expert-parallel": expert_parallel, "one-mesh": one_mesh}
+
+
+def path_of(name, folder=FOLDER):
+    return Path(folder) / f"{name}.png"
+
+
+def draw(name, folder=FOLDER, work=None):
+    """Run the figure's job in `work` (a new temporary folder by default), draw it to `folder`/<name>.png; what it
+    drew (the facts the picture shows), as a dict."""
+    work = Path(work or tempfile.mkdtemp(prefix=f"figure-{name}-"))
+    figure, job, facts = FIGURES[name](work)
+    footer(figure, job, name)
+    save(figure, path_of(name, folder))
+    return facts
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"the figures to draw, of {', '.join(FIGURES)} (all)")
+    parser.add_argument("--list", action="store_true", help="list the figures and what each is drawn from")
+    parser.add_argument("--out", default=str(FOLDER), help="the folder of the PNGs (default docs/figures)")
+    args = parser.parse_args()
+    unknown = [name for name in args.names if name not in FIGURES]
+    if unknown:
+        parser.error(f"no figure named {', '.join(unknown)}: choose from {', '.join(FIGURES)}")
+    if args.list:
+        for name, function in FIGURES.items():
+            print(f"{name}: {' '.join(function.__doc__.split())}")
+        return
+    for name in args.names or FIGURES:
+        began = time.perf_counter()
+        draw(name, args.out)
+        print(f"{path_of(name, args.out)}: drawn in {time.perf_counter() - began:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
