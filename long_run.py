@@ -32,10 +32,10 @@ from torch.utils.tensorboard import SummaryWriter
 from utils import WORKLOADS, configure_cpu_threads, exit_without_teardown, log_rank_metrics, positive_int, replacing
 from utils import non_negative_int
 from utils import attempt_store, require_epochs_left, require_torchrun, snapshot_folder, stop_if_unloadable
-from utils import require_written_by
+from utils import require_written_by, said_once_per_node
 from utils.snapshot_reader import SnapshotReader, load_seed_checkpoint
 from utils import require_same_arguments, require_same_start
-from utils import exists_on_any_rank, latest_snapshot, mesh_with_timeout, remove, step_snapshot, whole_snapshots
+from utils import exists_on_any_rank, mesh_with_timeout, remove, snapshot_to_resume, step_snapshot, whole_snapshots
 from utils import SEED, being_written, dcp_folder
 from utils.memory import saved_for_backward, state_bytes
 from utils.data import IGNORE, HeldOut, Shares, TokenFile, batch_range, model_of, skip_range, token_loss
@@ -73,7 +73,8 @@ def ddp_setup(timeout_s):
 
 
 class Trainer:
-    def __init__(self, model, stages, train_data, held_out, optimizer, device, save_every, snapshot_path, args, mesh):
+    def __init__(self, model, stages, train_data, held_out, optimizer, device, save_every, snapshot_path, resume, args,
+                 mesh):
         # LOCAL_RANK numbers the processes of this node (it picks the GPU); RANK numbers those of the whole job.
         self.local_rank = int(os.environ["LOCAL_RANK"])
         self.global_rank = int(os.environ["RANK"])
@@ -97,9 +98,9 @@ class Trainer:
         # Where the run is: the optimizer steps taken, the next global batch of the data (its cursor), the tokens
         # trained on, the batches --skip left out. That is all a resume needs to go on, on any number of ranks.
         self.steps_run, self.next_batch, self.tokens, self.skipped = 0, 0, 0, ""
-        # DCP's load is a collective: if any rank finds a snapshot, all of them load the last one.
-        if exists_on_any_rank(latest_snapshot(snapshot_path), device):
-            self._load_snapshot(latest_snapshot(snapshot_path))
+        # DCP's load is a collective: if any rank finds the snapshot to go on from, all of them load it.
+        if exists_on_any_rank(resume, device):
+            self._load_snapshot(resume)
         require_same_start(self.steps_run, device, unit="steps")  # each node read the snapshot from its own disk
         # Two stages on each rank, rank r holding stages r and r + pp: each micro-batch passes every rank twice, so the
         # pipeline fills in half the time (the bubble halves) for twice the sends.
@@ -112,7 +113,7 @@ class Trainer:
         self.pipeline = ScheduleInterleaved1F1B(self.stages, M, loss_fn=lambda out, y: token_loss(out, y) * self.scale)
         self.pipeline.scale_grads = False  # the losses are scaled above, on every torch version
         # TensorBoard's scalars, written by rank 0 (`tensorboard --logdir runs`); a resume writes over what a killed
-        # attempt wrote after its snapshot.
+        # attempt wrote after its snapshot's step (what it wrote up to that step was on disk before the snapshot).
         self.board = SummaryWriter(args.logdir, purge_step=self.steps_run + 1) if self.global_rank == 0 else None
 
     def _load_snapshot(self, path):
@@ -163,18 +164,21 @@ class Trainer:
         start = time.perf_counter()
         totals = torch.zeros(2, device=self.device)  # [summed loss, tokens that count], kept on the device
         saved = saved_for_backward()  # the activations of the window's first step, measured
-        for step, (batch, (source, targets, counted)) in enumerate(itertools.islice(batches, steps)):
-            if self.steps_run % self.args.eval_every == 0:
-                self._evaluate()
+        for step, (batch, (source, targets)) in enumerate(itertools.islice(batches, steps)):
             # Dropout seeded anew each step by the step and the rank: every rank drops in its own positions or heads.
             torch.manual_seed(hash((SEED, self.steps_run, self.global_rank)))
             source, targets = source.to(self.device), targets.to(self.device)
+            # The tokens that count in the whole global batch, the loss's divisor: each dp rank read its share alone.
+            counted = (targets != IGNORE).sum()
+            dist.all_reduce(counted, group=self.mesh["dp"].get_group())
             loss = self._run_batch(source, targets, counted.item(), saved if step == 0 else contextlib.nullcontext())
             self.steps_run, self.next_batch, self.tokens = self.steps_run + 1, batch + 1, self.tokens + counted.item()
             # The last stage of each pipeline counts its tokens: once per pipeline, over the ranks.
             if loss is not None and self.mesh["tp"].get_local_rank() == 0:  # its tp ranks have the same loss
                 totals[0] += loss
                 totals[1] += (targets != IGNORE).sum()
+            if self.steps_run % self.args.eval_every == 0 or self.steps_run == total_steps:
+                self._evaluate()  # before the snapshot of these weights, which a resume goes on from
             if self.steps_run % self.save_every == 0 or self.steps_run == total_steps:
                 self._save_snapshot()  # sharded: every rank writes its part
             if self.saving and self.saving[1].done():
@@ -195,15 +199,18 @@ class Trainer:
                        "learning_rate": self.scheduler.get_last_lr()[0]}
             for name, value in scalars.items():
                 self.board.add_scalar(name, value, self.steps_run)
+            self.board.flush()
 
-    def _evaluate(self):
+    def _evaluate(self, on_board=True):
         # Every rank runs the whole held-out file through the pipeline, its share of each batch: the mean over every
         # held-out token, the same on any layout. The last batch is filled up with rows that count nothing.
         self.scale = 1.0  # each micro-batch's loss summed
         loss = held_out_loss(self.pipeline, self.stages, self.mesh, self.held_out)
         if self.global_rank == 0:
             print(f"{self.tag} step {self.steps_run} | held-out loss {loss:.4f}")
-            self.board.add_scalar("loss/held_out", loss, self.steps_run)
+            if on_board:
+                self.board.add_scalar("loss/held_out", loss, self.steps_run)
+                self.board.flush()  # on disk before the snapshot of these weights
 
     def _save_snapshot(self):
         # All it takes to go on exactly: where the run is in the data (the next global batch), not a rank's place in
@@ -213,23 +220,26 @@ class Trainer:
         snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state,
                         SCHEDULER_STATE=self.scheduler.state_dict(), STEPS_RUN=self.steps_run,
                         NEXT_BATCH=self.next_batch, TOKENS=self.tokens, SKIPPED=self.skipped,
-                        GLOBAL_BATCH=self.args.global_batch, STEP="long_run.py")
+                        GLOBAL_BATCH=self.args.global_batch, REWOUND_TO=self.args.resume_from or 0, STEP="long_run.py")
         # Every rank writes its shards into one folder of this save's; rank 0 makes it the last snapshot once whole.
         # Until then a Ctrl-C removes it, also while a thread writes it in the background.
         path = step_snapshot(self.snapshot_path, self.steps_run)
         tmp = being_written(f"{path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp")
         if self.saver:  # copies the state to memory, then writes it in a thread while the training goes on
             self.saving = tmp, dcp.async_save(snapshot, checkpoint_id=tmp, process_group=self.saver), self.steps_run
-        else:
-            self.saving = tmp, dcp.save(snapshot, checkpoint_id=tmp), self.steps_run
-            self._finish_save()
+        else:  # written at once, inside replacing(): a save cut short (a full disk) is removed, and said in one line
+            self.saving = tmp, None, self.steps_run
+            self._finish_save(snapshot)
 
-    def _finish_save(self):
+    def _finish_save(self, snapshot=None):
         if self.saving:
             tmp, written, steps = self.saving
             # A kill before this line leaves the last snapshot as it was, never one cut short; the new one, whole.
             with replacing(step_snapshot(self.snapshot_path, steps), tmp, rename=self.global_rank == 0):
-                getattr(written, "result", lambda: None)()  # an asynchronous save: wait until every rank wrote
+                if written is None:
+                    dcp.save(snapshot, checkpoint_id=tmp)  # a synchronous save: every rank writes its shards now
+                else:
+                    written.result()  # an asynchronous save: wait until every rank wrote
             self.saving = None
             if self.global_rank == 0:
                 for old in whole_snapshots(self.snapshot_path)[:-self.args.keep]:
@@ -242,10 +252,12 @@ class Trainer:
         numbers, self.skipped = batch_range(self.next_batch, total_steps - self.steps_run, self.args.skip,
                                             self.skipped, say=self.global_rank == 0)
         batches = zip(numbers, prepare_dataloader(self.train_data, numbers, self.args))
+        # The held-out loss it starts from; a resume's is on the board already, written before the snapshot was.
+        if self.steps_run % self.args.eval_every == 0:
+            self._evaluate(on_board=self.steps_run == 0)
         while self.steps_run < total_steps:
             self._run_steps(min(self.args.log_every - self.steps_run % self.args.log_every,
                                 total_steps - self.steps_run), batches, total_steps)
-        self._evaluate()  # the last weights'
         self._finish_save()
         dist.barrier()  # no rank goes on before the last snapshot is on disk
 
@@ -290,13 +302,17 @@ def prepare_dataloader(dataset: Dataset, batches, args):
 
 
 def main(args):
-    check_options(args)  # an option that cannot run here: one line, before anything
-    require_mesh_fits(args, int(os.environ["WORLD_SIZE"]))  # whole grids, whole heads, stages, shares: else one line
+    # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
+    with said_once_per_node(args.timeout):
+        check_options(args)  # an option that cannot run here: one line, before anything
+        require_mesh_fits(args, int(os.environ["WORLD_SIZE"]))  # whole grids, whole heads, stages, shares
+        # The snapshot to go on from: the last one in the folder, or --resume_from's (kept, and no later ones left).
+        resume = snapshot_to_resume(args.snapshot_path, args.resume_from)
+        train_tokens, held_out_tokens, model, make_optimizer = load_train_objs(args)  # files with sequences in them
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
-    train_tokens, held_out_tokens, model, make_optimizer = load_train_objs(args)
     # pp outermost, tp innermost, as torchtitan orders them: tp's all-gathers in every block need the fastest links
     # (a node's), a pipeline sends one activation per micro-batch between stages (across nodes), and dp's reduce-
     # scatter once a step goes in between.
@@ -315,7 +331,7 @@ def main(args):
     train_data = Shares(train_tokens, args.global_batch, SEED, *dp)
     held_out = DataLoader(HeldOut(held_out_tokens, args.global_batch, SEED, *dp), batch_size=None)
     trainer = Trainer(model, stages, train_data, held_out, make_optimizer(model), device, args.save_every,
-                      args.snapshot_path, args, mesh)
+                      args.snapshot_path, resume, args, mesh)
     trainer.train(args.total_steps)
     # The whole GPT written to one plain file beside the snapshots by rank 0, weight by weight as each arrives from
     # the ranks that hold it: no rank ever holds the whole model. Rank 0 goes on alone with the file, as a user would.
@@ -341,6 +357,7 @@ if __name__ == "__main__":
     parser.add_argument("--logdir", default="runs/long_run", help="TensorBoard's folder (rank 0 writes it)")
     parser.add_argument("--keep", default=3, type=positive_int, help="Snapshots kept: the last ones")
     parser.add_argument("--skip", type=skip_range, help="Global batches BEGIN:END not to train on")
+    parser.add_argument("--resume_from", type=positive_int, help="Rewind: go on from this step's snapshot, not the last")
     parser.add_argument("--workers", default=0, type=non_negative_int, help="Loader processes that read ahead")
     parser.add_argument("--workload", default="gpt", choices=[w for w in WORKLOADS if w.startswith("gpt")])
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")

@@ -3,8 +3,9 @@ against a training step, a snapshot against a step, and a rank's memory as the t
 
     python benchmarks/long_run.py                      # the standard library cut to 8M characters; files 1x 4x 16x
     python benchmarks/long_run.py --parts memory --multiples 1 2 4 8 16 32
+    python benchmarks/long_run.py --parts shares --dp 8                # what each of 8 dp ranks reads, alone
     python benchmarks/long_run.py --source help --base_chars 60000 --multiples 1 2 --global_batch 8 --steps 6 \\
-        --log_every 2 --read_batches 4 --rounds 2 --memory_steps 3       # tiny: what tests/test_benchmarks.py runs
+        --log_every 2 --read_batches 4 --rounds 2 --memory_steps 3 --dp 4     # tiny: what tests/test_benchmarks.py runs
 
 The data. tools/prepare_data.py's prepare() writes a token folder of the first --base_chars characters of --source's
 documents (stdlib: every .py file of Python's standard library, about 31M characters; help: the help pages, 465K), for
@@ -39,6 +40,16 @@ with --async_save (four jobs; the sync one every 1000 steps is part 1's --worker
 step: the ms/step of every step less that of every 1000 steps, the same save mode; and that over the step's time: how
 many steps of training one snapshot costs. The snapshots each job wrote (its `snapshot saved` lines: every step, or
 the final one alone) and the size of its last (the model, AdamW's state and the cursor, on disk) are printed too.
+
+Each dp rank's reads (--parts shares). In this process, on one CPU thread: Shares(...)[k] of every rank of --dp dp
+ranks (and of one, dp 1), k = 0 ... --read_batches - 1, over the x1 training file, each read of TokenFile.read
+counted: the rows a rank asks the file for per global batch, their bytes (a row is 2 x (context + 1) bytes), and its
+ms per global batch (the fastest of --rounds rounds, the ranks in turn). A rank reads its share, global_batch / dp rows,
+and the job reads each row of a global batch once; the tokens that count in the whole global batch travel as one
+number over dp (the step's all-reduce, not measured here). In each round too, the global batch's order drawn alone
+(utils/data.py's global_batch: every rank draws all of the batch's positions and keeps its share's), its fastest
+round's ms per global batch: the part of a read that does not shrink with dp. Each round measures the draw, dp 1 and
+--dp in turn, in reverse order every other round.
 
 3. A rank's memory as the token file grows (--parts memory). For each folder, a fresh process (spawned_result) does
 what a rank's loader does: long_run.prepare_dataloader over Shares over the folder's TokenFile (--workers 0: the
@@ -76,7 +87,7 @@ from utils import positive_int  # noqa: E402
 
 MiB = 2**20
 PAGE = os.sysconf("SC_PAGE_SIZE")
-PARTS = ("data", "snapshots", "memory")
+PARTS = ("data", "shares", "snapshots", "memory")
 # A snapshot every step against one every this many steps: more than any job here runs, so only the final one.
 RARELY = 1000
 
@@ -161,6 +172,43 @@ def read_rounds(folder, args):
                 shares[batch]
             rounds[name].append((time.perf_counter() - began) / args.read_batches * 1e3)
     return rounds
+
+
+def share_reads(folder, args):
+    """{dp: (rows a rank reads per global batch, their bytes, the fastest round's ms per global batch of a rank)} for dp
+    1 and --dp: Shares(...)[k] of every rank, k = 0 ... --read_batches - 1, each TokenFile.read counted (see the
+    docstring); and {"drawn": the fastest round's ms of drawing a global batch's order alone}."""
+    import torch
+
+    from utils import SEED
+    from utils.data import Shares, TokenFile, global_batch
+
+    torch.set_num_threads(1)
+    tokens = TokenFile(folder, "train")
+    asked, read = [], tokens.read
+    tokens.read = lambda indices: asked.append(len(indices)) or read(indices)
+    layouts = {dp: [Shares(tokens, args.global_batch, SEED, rank, dp) for rank in range(dp)] for dp in {1, args.dp}}
+    rows = {dp: 0 for dp in layouts}
+    rounds = {what: [] for what in ["drawn", *sorted(layouts)]}
+    for round_number in range(args.rounds):
+        # The draw alone and each layout in turn, the order reversed every other round: the load weighs on them alike.
+        for what in rounds if round_number % 2 == 0 else list(rounds)[::-1]:
+            asked.clear()
+            began = time.perf_counter()
+            for batch in range(args.read_batches):
+                if what == "drawn":  # every rank draws all of the batch's positions, then keeps its share's
+                    global_batch(len(tokens), batch, args.global_batch, SEED)
+                else:
+                    for shares in layouts[what]:
+                        shares[batch]
+            reads_made = 1 if what == "drawn" else what
+            rounds[what].append((time.perf_counter() - began) / (reads_made * args.read_batches) * 1e3)
+            if what != "drawn":
+                rows[what] = sum(asked) / (what * args.read_batches)
+    reads = {"drawn": min(rounds["drawn"])}
+    for dp in sorted(layouts):
+        reads[dp] = rows[dp], rows[dp] * 2 * (tokens.context + 1), min(rounds[dp])
+    return reads
 
 
 # --- the jobs ---------------------------------------------------------------------------------------------------------
@@ -326,6 +374,21 @@ def data_report(rounds, jobs, args, file_bytes):
           f"{estimate:,.0f} | {estimate / step['rate']:.2f}x |")
 
 
+def shares_report(reads, args):
+    """The shares' table: what a dp rank reads of each global batch, at dp 1 and at --dp."""
+    print(f"\nEach dp rank's reads: global batches of {args.global_batch} sequences from the x1 file, "
+          f"{args.read_batches} batches a rank, the fastest of {args.rounds} rounds")
+    print(machine_summary())
+    print("| dp | rows a rank reads per global batch | bytes a rank reads per global batch | rows the job reads per "
+          "global batch | ms per global batch, a rank |")
+    print("|---:|---:|---:|---:|---:|")
+    drawn = reads.pop("drawn")
+    for dp, (rows, size, ms) in reads.items():
+        print(f"| {dp} | {rows:,.0f} | {size:,.0f} | {rows * dp:,.0f} | {ms:.4f} |")
+    print(f"the global batch's order drawn alone (utils/data.py's global_batch, all its positions): {drawn:.4f} ms per "
+          f"global batch; a rank's read at dp {args.dp} / at dp 1: {reads[args.dp][2] / reads[1][2]:.2f}x")
+
+
 def snapshot_report(jobs):
     """Part 2's table: each job's ms/step, what a snapshot every step adds to it, and that in steps of training."""
     print("\n2. A snapshot every step against one every 1000 steps (the final one only), the same jobs otherwise")
@@ -386,12 +449,15 @@ def main():
     parser.add_argument("--read_batches", type=positive_int, default=200, help="Global batches read a round (part 1)")
     parser.add_argument("--rounds", type=positive_int, default=3, help="Rounds of reads (part 1); the fastest counts")
     parser.add_argument("--memory_steps", type=positive_int, default=20, help="Global batches read per file (part 3)")
+    parser.add_argument("--dp", type=positive_int, default=8, help="dp ranks whose reads are counted (shares)")
     parser.add_argument("--timeout", type=positive_int, default=600, help="Seconds a job or a reader may take")
     args = parser.parse_args()
     if args.steps < 3 * args.log_every:
         sys.exit(f"error: --steps {args.steps} holds fewer than 3 windows of --log_every {args.log_every}: the first "
                  "and the last are left out")
-    args.multiples = sorted(set(args.multiples) | {1})
+    args.multiples = sorted(set(args.multiples) | {1}) if "memory" in args.parts else [1]
+    if args.global_batch % args.dp:
+        sys.exit(f"error: --dp {args.dp} does not divide --global_batch {args.global_batch} into shares")
 
     print(f"long_run.py's data path, snapshots and memory: {machine_summary()}; {load_average()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="long-run-") as scratch:
@@ -405,6 +471,8 @@ def main():
         if "data" in args.parts:
             rounds = read_rounds(folders[1], args)
             data_report(rounds, jobs, args, (folders[1] / "train.bin").stat().st_size)
+        if "shares" in args.parts:
+            shares_report(share_reads(folders[1], args), args)
         if "snapshots" in args.parts:
             snapshot_report(jobs)
         if "memory" in args.parts:

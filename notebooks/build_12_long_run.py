@@ -113,22 +113,25 @@ print(f"the first {count} sequences of the stream (epoch 0) hold every sequence 
 print(f"global batch 25: {count - 25 * size} sequences of epoch 0, then {26 * size - count} of epoch 1; in both:",
       sorted(set(epoch0[25 * size:].tolist()) & set(epoch1[:26 * size - count].tolist())))
 print("epoch 1 in another order:", epoch1.tolist() != epoch0[:len(epoch1)].tolist())"""),
-    new_markdown_cell("""Each dp rank reads its share of a global batch:
-`Shares(tokens, 16, SEED, dp_rank, dp)[k]` gives rank `dp_rank` of `dp` the rows `16/dp × dp_rank` onward of batch k,
-with the number of targets that count in the **whole** global batch. Put together, the shares are the same 16 rows on
-1, 2 or 4 dp ranks. That count is what the step divides each micro-batch's summed loss by: batch 25's micro-batches
-(2 dp ranks × 2) count different numbers of tokens, and a mean of their means would weigh a token of a short
-micro-batch more than one of a long one."""),
+    new_markdown_cell("""Each dp rank reads its share of a global batch, and no other row:
+`Shares(tokens, 16, SEED, dp_rank, dp)[k]` gives rank `dp_rank` of `dp` the inputs and targets of rows `16/dp ×
+dp_rank` onward of batch k. Put together, the shares are the same 16 rows on 1, 2 or 4 dp ranks. The step divides each
+micro-batch's summed loss by the number of targets that count in the **whole** global batch: each rank counts its
+share's, and one all-reduce over dp adds them up, a number a step. Batch 25's micro-batches (2 dp ranks × 2) count
+different numbers of tokens, and a mean of their means would weigh a token of a short micro-batch more than one of a
+long one."""),
     new_code_cell("""# NBVAL_CHECK_OUTPUT
-whole = Shares(train, size, SEED, 0, 1)[25]
+whole_inputs, whole_targets = Shares(train, size, SEED, 0, 1)[25]
 for dp in (2, 4):
     shares = [Shares(train, size, SEED, rank, dp)[25] for rank in range(dp)]
-    print(f"batch 25 read by {dp} dp ranks: the same 16 rows as one reads:",
-          torch.equal(torch.cat([share[0] for share in shares]), whole[0]),
-          "| the whole batch's count on every rank:", all(int(share[2]) == int(whole[2]) for share in shares))
+    print(f"batch 25 read by {dp} dp ranks, {size // dp} rows each: the same 16 rows as one reads:",
+          torch.equal(torch.cat([inputs for inputs, _ in shares]), whole_inputs),
+          "| their counts add up to the whole batch's:",
+          sum(int((targets != IGNORE).sum()) for _, targets in shares) == int((whole_targets != IGNORE).sum()))
 shares = [Shares(train, size, SEED, rank, 2)[25] for rank in range(2)]
-micro = [int((part != IGNORE).sum()) for share in shares for part in share[1].chunk(2)]
-print(f"batch 25: {int(whole[2])} targets count, in the 4 micro-batches of 2 dp ranks: {micro}")"""),
+micro = [int((part != IGNORE).sum()) for _, targets in shares for part in targets.chunk(2)]
+counted = int((whole_targets != IGNORE).sum())
+print(f"batch 25: {counted} targets count, in the 4 micro-batches of 2 dp ranks: {micro}")"""),
     new_markdown_cell("""`--skip BEGIN:END` leaves global batches out of the list a run reads
 (`utils.data.batch_range`): from the cursor 24, six steps with `--skip 26:29` read batches 24, 25, 29, 30, 31 and 32.
 The snapshot keeps the range, so a restart with the same command skips it again, silently; a range the run has passed
@@ -261,7 +264,8 @@ a job killed between two snapshots ends bit for bit where the uninterrupted one 
 
 Rank 0 writes four scalars to `runs/long_run` with `torch.utils.tensorboard.SummaryWriter`: `loss/train` and
 `tokens_per_s` every window, `learning_rate`, and `loss/held_out` every `--eval_every` steps. A resume writes over
-what a killed attempt wrote after its snapshot (`purge_step`), so each step appears once. TensorBoard's own reader,
+what a killed attempt wrote after its snapshot's step (`purge_step`); what it wrote up to that step, the held-out loss
+included, was on disk before the snapshot, and a resume does not write it again: each step appears once. TensorBoard's own reader,
 `EventAccumulator`, reads the event file back:"""),
     new_code_cell("""import matplotlib.pyplot as plt
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

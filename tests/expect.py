@@ -1,12 +1,14 @@
 """What a correct run of a step shows: assertions that several test files make about a finished job, the sharded
 snapshots of steps 5, 7, 8, 10 and 11 read back whole, each epoch's loss over every rank from the per-rank metrics, the
 largest difference between two sets of weights, and a step's checks before its process group, run in the test's
-process; and the excerpt of the help pages that the GPT steps' exact jobs learn."""
+process; the excerpt of the help pages that the GPT steps' exact jobs learn; a small disk that fills up."""
 import json
 import re
 import runpy
+import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -146,10 +148,29 @@ def stopped_as_rank_0(monkeypatch, step, world_size, *args):
     """`step`'s __main__ run in this process as torchrun starts rank 0 of `world_size` processes, with TOTAL_EPOCHS 2,
     SAVE_EVERY 1 and `args`: the SystemExit it stops with (its checks of the options come before init_process_group,
     which a test's process must never reach)."""
+    import utils
+
+    def reached(*_, **__):  # its watch of the group's forming would end this process after --timeout
+        raise AssertionError(f"{step} went on to form its process group: no check stopped it")
+
     monkeypatch.setattr(sys, "argv", [step, "2", "1", *map(str, args)])
+    monkeypatch.setattr(utils, "attempt_store", reached)
     for name, value in {"LOCAL_RANK": "0", "RANK": "0", "LOCAL_WORLD_SIZE": world_size,
                         "WORLD_SIZE": world_size}.items():
         monkeypatch.setenv(name, str(value))
     with pytest.raises(SystemExit) as stop:
         runpy.run_path(script(step), run_name="__main__")
     return stop.value
+
+
+@contextmanager
+def small_disk(path, free_bytes):
+    """A tmpfs mounted at `path` with about `free_bytes` left (a file fills the rest): a disk that fills up. Needs
+    root."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={free_bytes + (1 << 20)}", "tmpfs", str(path)], check=True)
+    try:
+        (path / "filler").write_bytes(b"\0" * ((1 << 20) - 4096))
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

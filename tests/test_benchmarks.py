@@ -570,12 +570,13 @@ def figure(text):
 @pytest.mark.slow
 def test_long_run_reads_its_jobs_windows_its_rounds_and_each_files_memory(monkeypatch, capsys):
     """Five torchrun jobs of long_run.py (a line every 2 of 6 steps: the window of steps 2-4 alone is measured), the
-    reads of part 1 in this process, and a spawned reader per token file: every row of the tables is what those
-    printed (a job's fastest window, the fastest read round) or follows from it, the jobs wrote the snapshots their
-    command asks for, and no page of a file stays in the reading process after its reads."""
+    reads of part 1 and of the dp ranks' shares in this process, and a spawned reader per token file: every row of the
+    tables is what those printed (a job's fastest window, the fastest read round) or follows from it, the jobs wrote
+    the snapshots their command asks for, each of 4 dp ranks read its 2 rows of a global batch of 8 and no more, and no
+    page of a file stays in the reading process after its reads."""
     text = run_benchmark(monkeypatch, capsys, "long_run.py", "--source", "help", "--base_chars", 60000, "--multiples",
                          1, 2, "--global_batch", 8, "--steps", 6, "--log_every", 2, "--job_rounds", 1,
-                         "--read_batches", 4, "--rounds", 2, "--memory_steps", 3)
+                         "--read_batches", 4, "--rounds", 2, "--memory_steps", 3, "--dp", 4)
     jobs = {}
     for workers, every, mode, seconds, saved, size, measured in re.findall(
             r"^job: --workers (\d), a snapshot every (\d+) steps, (sync|async) \(round 0\)\n  \$ .*\n  ([\d.]+) s; "
@@ -611,6 +612,17 @@ def test_long_run_reads_its_jobs_windows_its_rounds_and_each_files_memory(monkey
     estimate = re.search(r"^\| --workers 0, rows in memory \(estimated: .*\) \| ([\d,]+) \| [\d.]+x \|$", text, re.M)
     expected = figure(base_rate) * float(base_ms) / (float(base_ms) - min(mapped) + min(in_memory))
     assert figure(estimate[1]) == pytest.approx(expected, rel=1e-3, abs=1), text
+
+    # The shares: a rank reads global_batch / dp rows of each global batch (130 bytes each: 65 uint16 ids), and the
+    # job each row once.
+    table = re.findall(r"^\| (\d+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \|$", text, re.M)
+    assert {int(dp): (figure(rows), figure(size), figure(job)) for dp, rows, size, job, _ in table} == {
+        1: (8, 8 * 130, 8), 4: (2, 2 * 130, 8)}, text
+    # The draw alone was timed, and the ratio printed is that of the table's times.
+    ms = {int(dp): float(ms) for dp, *_, ms in table}
+    drawn, ratio = re.search(r"^the global batch's order drawn alone .*: ([\d.]+) ms per global batch; "
+                             r"a rank's read at dp 4 / at dp 1: ([\d.]+)x$", text, re.M).groups()
+    assert float(drawn) > 0 and float(ratio) == pytest.approx(ms[4] / ms[1], abs=0.006), text
 
     # Part 2: each save mode's snapshot every step against every 1000 steps (on a busy machine a job's one measured
     # window may be slower with fewer snapshots: what a snapshot adds is then printed below 0, as measured).

@@ -14,13 +14,13 @@ import sys
 import tempfile
 import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from expect import small_disk
 from tools.jobs import REPO, free_port, output, python, run, start, torchrun, torchrun_node
 from tools.jobs.processes import child_pids
 from utils import attempt_store, make_workload, replacing, writable_path
@@ -46,18 +46,6 @@ def snapshot_of(epochs_run):
     workload.optimizer.step()
     return dict(MODEL_STATE=workload.model.state_dict(), OPTIMIZER_STATE=workload.optimizer.state_dict(),
                 EPOCHS_RUN=epochs_run, STEP="multigpu_torchrun.py")
-
-
-@contextmanager
-def small_disk(path, free_bytes):
-    """A tmpfs mounted at `path` with about `free_bytes` left (a file fills the rest): a disk that fills up."""
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={free_bytes + (1 << 20)}", "tmpfs", str(path)], check=True)
-    try:
-        (path / "filler").write_bytes(b"\0" * ((1 << 20) - 4096))
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def in_a_fork(work, *args):

@@ -5,8 +5,10 @@ uninterrupted run reads, in order, with not one sequence repeated or skipped ove
 computed for the positions read alone, and a read leaves nothing of the file mapped), and goes on within float
 rounding of it (from the start, one process ends about as near as it is to itself split otherwise); the loss is the
 mean over every token that counts, however the global batch is split; every layout prints the same held-out loss on
-the same weights; --skip leaves out exactly the batches it names; TensorBoard's scalars are what the lines say; bad
-input stops with one line.
+the same weights; each dp rank reads its own rows and no other; a rewind (--resume_from) with --skip leaves out
+exactly the batches it names; TensorBoard's scalars are what the lines say, each step once; bad input (token files
+without sequences, a missing --data said once, a rewind over later snapshots) and a disk that fills during a save stop
+with one line.
 
 The jobs train the CPU-size GPT (2 blocks, a context of 64) on the help pages of at most 1,500 characters
 (tools/prepare_data.py --max_chars 1500: 34 documents of 202 to 1,473 characters, 409 training sequences, 55 held out),
@@ -21,19 +23,21 @@ import itertools
 import json
 import os
 import re
+import runpy
 import shutil
+import sys
 
 import pytest
 import torch
 
-from expect import (assert_a_peer_gone_is_one_line_a_rank, assert_bitwise_equal, farthest, sharded_snapshot,
-                    stopped_as_rank_0)
+from expect import (assert_a_peer_gone_is_one_line_a_rank, assert_bitwise_equal, assert_only_own_lines, farthest,
+                    sharded_snapshot, small_disk, stopped_as_rank_0)
 from tools import plot_metrics
 from tools.jobs import REPO, output, run, torchrun
 from tools.prepare_data import short_help_pages
 from tools.seed_checkpoint import seed_checkpoint_beside
-from utils import SEED, step_snapshot
-from utils.data import IGNORE, Shares, TokenFile, batch_range, global_batch, model_of, token_loss
+from utils import SEED, snapshot_to_resume, step_snapshot
+from utils.data import IGNORE, HeldOut, Shares, TokenFile, batch_range, global_batch, model_of, token_loss
 from utils.metrics import RUN_DIR_VARIABLE
 
 GLOBAL_BATCH, TOTAL, SAVE_EVERY, EVAL_EVERY, LOG_EVERY, KEEP = 16, 36, 6, 12, 6, 5
@@ -257,10 +261,29 @@ def test_a_read_leaves_nothing_of_the_file_mapped_in_the_rank(data):
     with its mapping, so a rank's memory does not fill up with the file over an epoch (benchmarks/long_run.py measures
     it on larger files)."""
     tokens = TokenFile(data, "train")
-    inputs, _, _ = Shares(tokens, GLOBAL_BATCH, SEED, 0, 2)[3]
+    inputs, _ = Shares(tokens, GLOBAL_BATCH, SEED, 0, 2)[3]
     assert inputs.shape == (GLOBAL_BATCH // 2, 64)
     with open("/proc/self/maps") as maps:
         assert os.path.realpath(tokens.path) not in maps.read(), "the token file is still mapped after the read"
+
+
+def test_each_dp_rank_reads_its_own_rows_and_no_other(monkeypatch, data):
+    """Global batch 25 (it spans an epoch's end) and the last held-out batch (filled up with rows that count nothing)
+    read by 1, 2, 4, 8 and 16 dp ranks: each rank asks the token file for its global_batch / dp rows and no other, the
+    shares put together are the batch one rank reads, and their counts of the targets that count add up to the whole
+    batch's, the one number the step all-reduces over dp. (Every rank used to read the whole global batch to count its
+    tokens, and keep its share.)"""
+    asked, read = [], TokenFile.read
+    monkeypatch.setattr(TokenFile, "read", lambda self, indices: asked.append(len(indices)) or read(self, indices))
+    for dataset, split, batch in ((Shares, "train", 25), (HeldOut, "val", 3)):
+        tokens = TokenFile(data, split)
+        whole_inputs, whole_targets = dataset(tokens, GLOBAL_BATCH, SEED, 0, 1)[batch]
+        for dp in (1, 2, 4, 8, 16):
+            asked.clear()
+            inputs, targets = zip(*[dataset(tokens, GLOBAL_BATCH, SEED, rank, dp)[batch] for rank in range(dp)])
+            assert asked == [GLOBAL_BATCH // dp] * dp, (dataset.__name__, dp, asked)
+            assert torch.equal(torch.cat(inputs), whole_inputs) and torch.equal(torch.cat(targets), whole_targets)
+            assert sum((share != IGNORE).sum() for share in targets) == (whole_targets != IGNORE).sum() > 0
 
 
 # --- the loss: every token once ---------------------------------------------------------------------------------------
@@ -278,8 +301,9 @@ def test_the_loss_is_the_mean_over_every_token_however_the_global_batch_is_split
 
     def split(dp, micro):
         loss, grads, means = 0.0, [torch.zeros_like(p) for p in model.parameters()], []
-        for rank in range(dp):
-            inputs, targets, counted = Shares(tokens, GLOBAL_BATCH, SEED, rank, dp)[batch]
+        shares = [Shares(tokens, GLOBAL_BATCH, SEED, rank, dp)[batch] for rank in range(dp)]
+        counted = sum((targets != IGNORE).sum() for _, targets in shares)  # what the step's all-reduce over dp adds
+        for inputs, targets in shares:
             for x, y in zip(inputs.chunk(micro), targets.chunk(micro)):
                 model.zero_grad()
                 summed = token_loss(model(x).double(), y)
@@ -304,22 +328,56 @@ def test_the_loss_is_the_mean_over_every_token_however_the_global_batch_is_split
 
 @pytest.fixture(scope="module")
 def skipped(tmp_path_factory, data, straight):
-    """The uninterrupted run's snapshot after 24 steps resumed by one process with --skip 26:29, to step 30."""
-    return long_run(resumed_from(tmp_path_factory, "skip", straight, 24), data, "--skip", "26:29", total=30, nproc=1,
-                    layout=(1, 1))
+    """A rewind after a loss spike, as the page shows it: a copy of the uninterrupted run's snapshot folder (steps 12 to
+    36), its snapshots after step 24 moved out to spiked/ (as --resume_from's line says), then one process from step
+    24's snapshot with --resume_from 24 --skip 26:29, to step 30."""
+    folder = tmp_path_factory.mktemp("skip")
+    shutil.copytree(straight.cwd / SNAPSHOTS, folder / SNAPSHOTS)
+    (folder / "spiked").mkdir()
+    for steps in (30, 36):
+        shutil.move(step_snapshot(folder / SNAPSHOTS, steps), folder / "spiked")
+    return long_run(folder, data, "--resume_from", 24, "--skip", "26:29", total=30, nproc=1, layout=(1, 1))
 
 
 @pytest.mark.slow
-def test_skip_leaves_out_exactly_the_batches_it_names(straight, skipped):
-    """A line says which batches it skips, and the steps after the snapshot train on global batches 24, 25, 29, 30, 31
-    and 32 (the uninterrupted run's steps 25, 26, 30 to 33), exactly; the snapshot keeps the range, so that a restart
-    with the same command skips it again."""
-    job = skipped
+def test_a_rewind_with_skip_leaves_out_exactly_the_batches_it_names(straight, skipped):
+    """Rewound to step 24: a line says which batches it skips, and the steps after the snapshot train on global batches
+    24, 25, 29, 30, 31 and 32 (the uninterrupted run's steps 25, 26, 30 to 33), exactly; the snapshot keeps the range
+    and the step it was rewound to, so that the same command again (a restart) skips the range again and goes on from
+    its own last snapshot, not from step 24's; the snapshots moved out are as they were."""
+    job, folder = skipped, str(skipped.cwd / SNAPSHOTS)
+    assert output.step_resumes(job.output) == {0: (24, 24)}, job.output[-3000:]
     assert "skipping global batches 26 to 28 (--skip 26:29): 3 batches never trained on" in job.output
     reference = trained(straight)
     assert trained(job) == {25 + i: reference[batch + 1] for i, batch in enumerate([24, 25, 29, 30, 31, 32])}
     snapshot = sharded_snapshot(step_snapshot(job.cwd / SNAPSHOTS, 30))
-    assert (snapshot["SKIPPED"], snapshot["NEXT_BATCH"]) == ("26:29", 33)
+    assert (snapshot["SKIPPED"], snapshot["NEXT_BATCH"], snapshot["REWOUND_TO"]) == ("26:29", 33, 24)
+    assert snapshot_to_resume(folder, 24) == step_snapshot(folder, 30)
+    assert sorted(path.name for path in (job.cwd / "spiked").iterdir()) == ["step-00000030", "step-00000036"]
+    assert_bitwise_equal(sharded_snapshot(job.cwd / "spiked" / "step-00000036")["MODEL_STATE"],
+                         sharded_snapshot(step_snapshot(straight.cwd / SNAPSHOTS, 36))["MODEL_STATE"], "weights")
+
+
+@pytest.mark.slow
+def test_a_rewind_to_a_step_not_kept_or_over_later_snapshots_stops_before_the_process_group(monkeypatch, tmp_path, data,
+                                                                                          straight):
+    """--resume_from on a copy of the uninterrupted run's folder (steps 12 to 36), before the process group forms: step
+    6's snapshot, which --keep 5 removed, stops with one line that names the steps kept; step 24's, with the snapshots
+    of steps 30 and 36 still there (the rewound run would write over step 30's, and a restart would resume from step
+    36's), stops with one line that says how to move them out; nothing is changed."""
+    shutil.copytree(straight.cwd / SNAPSHOTS, tmp_path / SNAPSHOTS)
+    kept = sorted(path.name for path in (tmp_path / SNAPSHOTS).iterdir())
+    monkeypatch.chdir(tmp_path)
+    stops = [str(stopped_as_rank_0(monkeypatch, "long_run.py", 1, "--data", data, "--workload", "gpt-cpu", "--pp", 1,
+                                   "--tp", 1, "--global_batch", GLOBAL_BATCH, "--microbatches", 2, "--resume_from",
+                                   steps)) for steps in (6, 24)]
+    assert stops == ["error: --resume_from 6: long_snapshots keeps no snapshot of step 6; it keeps those of steps 12, "
+                     "18, 24, 30 and 36 (--keep says how many of the last stay)",
+                     "error: --resume_from 24: long_snapshots holds snapshots after step 24 (of steps 30 and 36), "
+                     "which the rewound run would write over, or resume from after a restart: move them out first "
+                     "(e.g. `mkdir -p spiked && mv long_snapshots/step-00000030 long_snapshots/step-00000036 "
+                     "spiked/`), or leave --resume_from out to go on from step 36; nothing was changed"]
+    assert sorted(path.name for path in (tmp_path / SNAPSHOTS).iterdir()) == kept
 
 
 def test_a_skip_range_is_checked_against_the_cursor_and_kept(capsys):
@@ -353,10 +411,33 @@ def test_the_lines_tensorboard_and_the_plots_say_the_same(tmp_path, straight, ki
         assert {step: round(value, 4) for step, value in scalars["loss/train"].items()} == \
             {step: line["loss"] for step, line in lines.items()}
         assert scalars["loss/held_out"] == pytest.approx(dict(output.held_out_losses(straight.output)), abs=5e-5)
-        steps = [event.step for event in board.Scalars("loss/train")]
-        assert steps == sorted(set(steps)), f"a step twice: {steps}"
+        for tag in scalars:  # the killed run resumed at step 12, a step of a held-out loss
+            steps = [event.step for event in board.Scalars(tag)]
+            assert steps == sorted(set(steps)), f"{tag}: a step twice: {steps}"
     plot_metrics.plot(plot_metrics.read_run(straight.cwd / "runs"), tmp_path / "metrics.png", "long run")
     assert (tmp_path / "metrics.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs: needs root")
+def test_a_disk_that_fills_during_a_synchronous_save_stops_each_rank_with_one_line_and_keeps_the_last_snapshot(
+        tmp_path, data):
+    """Two ranks (pp 2), a snapshot every 2 steps, --keep 1, on a disk with room for one and a half snapshots (2.3 MiB
+    each): the save of step 4 runs out of room while step 2's is still there (a disk must hold --keep + 1). Each rank
+    stops with the same one line (DCP's synchronous save, outside replacing(), ended in about 100 lines of traceback a
+    rank), the folder being written is gone, and step 2's snapshot stays, whole."""
+    with small_disk(tmp_path / "disk", free_bytes=3600 * 1024) as disk:
+        job = run(torchrun("long_run.py", 6, 2, "--data", data, "--workload", "gpt-cpu", "--global_batch", 4,
+                           "--microbatches", 2, "--pp", 2, "--tp", 1, "--log_every", 2, "--eval_every", 100, "--keep",
+                           1, "--snapshot_path", disk / SNAPSHOTS, nproc=2), cwd=tmp_path, timeout=300, check=False)
+        left = sorted(path.name for path in (disk / SNAPSHOTS).iterdir())
+        kept = sharded_snapshot(step_snapshot(disk / SNAPSHOTS, 2))["STEPS_RUN"] if left else None
+    assert job.returncode not in (0, None), job.output[-3000:]
+    assert_only_own_lines(job)
+    assert output.errors(job.output) == [f"error: cannot write {disk}/{SNAPSHOTS}/step-00000004 (no space left on the "
+                                         f"disk of {disk}/{SNAPSHOTS}); the last one is kept, as it was"] * 2, \
+        job.output[-3000:]
+    assert (left, kept) == (["step-00000002"], 2), "the save cut short is removed, the last snapshot kept"
 
 
 @pytest.mark.slow
@@ -414,6 +495,51 @@ def test_bad_input_on_a_resume_stops_with_one_line_before_any_step(tmp_path, tmp
                 "another text": "it holds another model", "skip passed": "--skip 3:5 lies outside",
                 "another step": "not long_run.py's"}[case]
     assert expected in errors[0], errors
+
+
+def test_token_files_without_sequences_stop_with_one_line_before_anything(monkeypatch, tmp_path, data):
+    """A text of one document: tools/prepare_data.py stops with one line and writes nothing (it wrote an empty
+    train.bin, said 0 sequences and exited 0; long_run.py then died on it in a 31-line ZeroDivisionError). Token files
+    whose train.bin or val.bin holds no sequence or is missing (cut short, made by hand) stop long_run.py with one line
+    before its process group forms (an empty val.bin printed `held-out loss nan` and trained on)."""
+    (tmp_path / "one.txt").write_text("A text of one document, long enough for several sequences. " * 20)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["prepare_data.py", "one", "--files", "one.txt", "--workload", "gpt-cpu"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(REPO / "tools" / "prepare_data.py"), run_name="__main__")
+    assert str(stop.value) == ("error: one.txt leaves train.bin without a sequence: of its 1 document, the first nine "
+                               "tenths (0) are trained on and the rest (1) held out, and each file needs one of 2 "
+                               "characters or more; give more documents (several --files, or a text cut into "
+                               "several): nothing was written")
+    assert [path.name for path in tmp_path.iterdir()] == ["one.txt"]
+    for split, damage in (("train", "empty"), ("val", "empty"), ("val", "missing")):
+        folder = tmp_path / f"{split}-{damage}"
+        shutil.copytree(data, folder)
+        if damage == "empty":
+            (folder / f"{split}.bin").write_bytes(b"")
+        else:
+            (folder / f"{split}.bin").unlink()
+        stop = stopped_as_rank_0(monkeypatch, "long_run.py", 8, "--data", folder, "--workload", "gpt-cpu",
+                                 "--global_batch", GLOBAL_BATCH, "--microbatches", 2)
+        holds = "holds no sequence" if damage == "empty" else "is missing"
+        assert str(stop) == (f"error: {folder}/{split}.bin {holds}: a run needs sequences to train on and held-out "
+                             f"ones to measure; prepare --data {folder} again (tools/prepare_data.py, from several "
+                             "documents)"), (split, damage)
+    assert not (tmp_path / SNAPSHOTS).exists()
+
+
+@pytest.mark.slow
+def test_a_missing_data_folder_is_said_once_before_the_process_group_forms(tmp_path):
+    """Four ranks, --data a folder that is not there: one line, from local rank 0, and every rank stops at once,
+    before the process group forms (every rank said the line after the group had formed, then gloo's teardown could
+    abort: about 100 lines in all)."""
+    job = run(torchrun("long_run.py", 4, 2, "--data", "nowhere", "--workload", "gpt-cpu", "--global_batch", 16,
+                       "--microbatches", 2, nproc=4), cwd=tmp_path, timeout=300, check=False)
+    assert job.returncode not in (0, None), job.output[-3000:]
+    assert_only_own_lines(job)
+    assert output.errors(job.output) == ["error: --data nowhere holds no token files (FileNotFoundError): write them "
+                                         "first, e.g. `python tools/prepare_data.py nowhere`"], job.output[-3000:]
+    assert not (tmp_path / SNAPSHOTS).exists() and not (tmp_path / "runs").exists()
 
 
 @pytest.mark.slow

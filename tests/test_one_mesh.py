@@ -396,6 +396,24 @@ def test_on_the_meta_device_no_rank_holds_the_model_and_each_draws_its_part_of_o
 
 # --- bad input --------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
+def test_this_steps_snapshot_folder_given_to_step_12_is_refused_in_one_line(monkeypatch, mesh8):
+    """The natural mistake of a learner who goes on to step 12: its --snapshot_path set to step 11's snapshot folder.
+    long_run.py took it for a folder of snapshots, found none of its own, trained from scratch and wrote step-*
+    folders inside it; now one line before its process group forms, and the folder is left as it was."""
+    from tools.prepare_data import short_help_pages
+
+    folder = mesh8.cwd / SNAPSHOT
+    before = sorted(path.name for path in folder.iterdir())
+    monkeypatch.chdir(mesh8.cwd)
+    stop = stopped_as_rank_0(monkeypatch, "long_run.py", 8, "--data", short_help_pages(), "--workload", "gpt-cpu",
+                             "--global_batch", 16, "--microbatches", 2, "--snapshot_path", SNAPSHOT)
+    assert str(stop) == ("error: --snapshot_path mesh_snapshot is a snapshot itself (it holds a .metadata: step 11's "
+                         "snapshot folder, or one of a long run's step-<steps>/), not a folder of them: give the long "
+                         "run a folder of its own, e.g. the default long_snapshots; mesh_snapshot is left as it is")
+    assert sorted(path.name for path in folder.iterdir()) == before
+
+
 def run_main(monkeypatch, world_size, *args):
     """one_mesh.py's checks before its process group, in this process (expect.stopped_as_rank_0)."""
     return stopped_as_rank_0(monkeypatch, "one_mesh.py", world_size, *args)

@@ -6,9 +6,13 @@ A command with `--nproc_per_node=gpu` runs on nodes of 8 GPUs, the usual server 
 6 blocks); any other runs on CPU processes (the CPU size: 4 heads, 2 blocks). Each is run in this process, as rank 0
 of its job, up to the moment it would start working (its process group's store, mp.spawn, or the workload): nothing
 is trained, no process is started. The generated diff blocks are left out (their commands are the scripts' docstrings,
-checked as such)."""
+checked as such). What a step reads must be there first, as on a fresh clone: the token files step 12 reads are written
+by the `python tools/prepare_data.py` commands the page shows before it (in the same block, or joined by `&&`), run
+here as shown; a command shown without them stops, as it would for a learner."""
 import runpy
+import shlex
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +21,17 @@ import utils
 import utils.loop
 import utils.replicas
 from tools import stepdiff
-from tools.jobs import script
-from tools.shown_commands import parsed, readme_gpu_column, shown_commands
+from tools.jobs import REPO, script
+from tools.shown_commands import PREPARES, parsed, readme_gpu_column, shown_commands
+
+
+def prepare_as_shown(command):
+    """Run, in this process and folder, the `python tools/prepare_data.py ...` parts of a shown command (`A && B`)."""
+    for part in command.split("&&")[:-1]:
+        part = part.strip().lstrip("$ ")
+        if PREPARES.match(part):
+            sys.argv = ["prepare_data.py", *shlex.split(part)[2:]]
+            runpy.run_path(str(REPO / "tools" / "prepare_data.py"), run_name="__main__")
 
 
 class Accepted(BaseException):
@@ -36,6 +49,8 @@ def run_until_it_starts(monkeypatch, tmp_path, command):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [name, *arguments])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus)
+    prepare_as_shown(command)  # the token files, where the page shows how to write them first
+    monkeypatch.setattr(sys, "argv", [name, *arguments])
     monkeypatch.setattr(torch.cuda, "device_count", lambda: per_node if gpus else 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     # Where the steps start their work: torchrun's steps at attempt_store (the store of their process group, which
@@ -84,7 +99,9 @@ def test_every_shown_command_is_accepted_on_the_machine_it_is_shown_for(monkeypa
                                                                         command):
     stop = run_until_it_starts(monkeypatch, tmp_path, command)
     assert stop is None, f"{where}: `{command}` stops: {stop} {capsys.readouterr().err.strip()[-300:]}"
-    assert list(tmp_path.iterdir()) == [], "nothing may be written before the work starts"
+    parts = [part.strip() for part in command.split("&&")[:-1]]
+    prepared = {Path(shlex.split(part)[2]).parts[0] for part in parts if PREPARES.match(part)}
+    assert {path.name for path in tmp_path.iterdir()} == prepared, "nothing but the token files shown first is written"
 
 
 def test_the_readmes_gpu_column_completes_its_short_forms_from_the_cpu_column():

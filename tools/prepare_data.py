@@ -43,6 +43,14 @@ def prepare(folder, documents, name, context):
         raise SystemExit(f"error: {name} has {len(vocab):,} distinct characters; a token file holds fewer than {PAD:,}")
     ids, digest = {char: i for i, char in enumerate(vocab)}, hashlib.sha256()
     split, meta = int(len(documents) * (1 - HELD_OUT_FRACTION)), dict(vocab=vocab, context=context)
+    # A file without a sequence would stop long_run.py (nothing to train on, or no held-out loss): said here instead.
+    for part, texts in (("train", documents[:split]), ("val", documents[split:])):
+        if not any(len(text) >= 2 for text in texts):
+            raise SystemExit(f"error: {name} leaves {part}.bin without a sequence: of its {len(documents)} "
+                             f"document{'s' * (len(documents) != 1)}, the first nine tenths ({split}) are trained on "
+                             f"and the rest ({len(documents) - split}) held out, and each file needs one of 2 "
+                             "characters or more; give more documents (several --files, or a text cut into several): "
+                             "nothing was written")
     # Written into a folder of its own, renamed into place once whole: a crash leaves no half-written token files.
     final, folder = folder, f"{str(folder).rstrip(os.sep)}.{os.getpid()}.tmp"
     os.makedirs(folder)

@@ -1,7 +1,8 @@
 """The commands of the steps that the pages show, found and read in one place: the test that runs each one up to its
 work (tests/test_shown_commands.py) and the GPU proof that runs those shown for GPUs (benchmarks/gpu_proof.py).
 
-    shown_commands()    [(where, command)]: every command that runs a step with its epochs, on every page
+    shown_commands()    [(where, command)]: every command that runs a step with its epochs, on every page (with the
+                        `python tools/prepare_data.py` commands shown before it, joined by `&&`)
     parsed(command)     (script, arguments, launcher, processes per node, nodes, whether it is for GPUs)
     gpu_commands()      [(where, command)]: those shown for GPUs, the README's GPU column with its short forms
     key(command)        (script, options, nodes): what a command runs, less its length (TOTAL_EPOCHS SAVE_EVERY)
@@ -36,18 +37,30 @@ def runs_a_step():
     return re.compile(rf"(?:^|[\s$])(?:torchrun|python3?|\.\.\.)(?=\s).*?[\s/\"](?:{steps})\"?\s+[^-\s]+\s+[^-\s]")
 
 
+# A command that writes the token files a step reads (step 12's), which a page shows before the step's.
+PREPARES = re.compile(r"python3? tools/prepare_data\.py\s")
+
+
 def shown_commands():
     """[(where, command)]: every command that runs a step with its epochs (see runs_a_step), from the lines of code
-    blocks and docstrings (continuation lines joined) and from inline code spans (which may wrap)."""
+    blocks and docstrings (continuation lines joined) and from inline code spans (which may wrap). The
+    `python tools/prepare_data.py` commands a block shows before a step's are joined to it with `&&`, as a span
+    shows them."""
     pattern = runs_a_step()
     found = []
     for where, text in pages().items():
         blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S) if where.endswith(".md") else [text]
         prose = re.sub(r"^```[a-z]*\n.*?^```", "", text, flags=re.M | re.S) if where.endswith(".md") else ""
-        lines = [line for block in blocks for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
+        for block in blocks:
+            prepared = []
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                command = re.sub(r"\s#\s.*", "", line).strip()  # less a shell comment
+                if PREPARES.match(command):
+                    prepared.append(command)
+                elif pattern.search(command):
+                    found.append((where, " && ".join([*prepared, command])))
         spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)]
-        commands = [re.sub(r"\s#\s.*", "", command).strip() for command in lines + spans]  # less a shell comment
-        found += [(where, command) for command in commands if pattern.search(command)]
+        found += [(where, span) for span in spans if pattern.search(span)]
     return found
 
 

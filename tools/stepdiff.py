@@ -125,10 +125,15 @@ LARGER_BUDGETS = {
     # batch's count; a held-out loss every --eval_every steps on every rank (utils/pipeline.held_out_loss); six
     # options, --workers checked as a whole number of 0 or more. Against its issue's (-, 110): what reads the data
     # lives in utils/data.py (160 lines), the rest is the lesson itself, each piece in the script, and the loop's lines
-    # that changed count twice: 358 lines, 238 changed.
-    # Then the snapshot read through the steps' own reader, once, as data only (utils/snapshot_reader.py: its
-    # import, and the reader both loads use): 360 lines, 238 changed.
-    "long_run.py": (360, 238),
+    # that changed count twice: 358 lines, 238 changed. Then what a learner meets when a run goes wrong: the checks of
+    # the options, the token files and the snapshot folder before the process group forms, said once (a `with` that
+    # indents step 11's two checks), --resume_from for a rewind (the snapshot to go on from passed to the Trainer),
+    # the tokens of a global batch added over dp (each rank reads its share alone), the held-out loss before its
+    # step's snapshot and the board flushed there (a resume writes no step twice), the synchronous save inside
+    # replacing() (a full disk: one line): 375 lines, 267 changed. Then the snapshot read through the steps' own
+    # reader, once, as data only (utils/snapshot_reader.py: its import, and the reader both loads use): 377 lines,
+    # 267 changed.
+    "long_run.py": (377, 267),
     # fsdp.py as a replica group of a job whose groups meet at torchft's lighthouse: the Manager (made by rank 0 first,
     # so a restarted group's other ranks never read a dead rank 0's address) with a synchronous quorum (a healthy
     # group's state read beside FSDP's forward crashed it), the all-reduce hook across groups, the state a healthy

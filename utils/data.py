@@ -32,10 +32,16 @@ def read_meta(folder):
 
 
 class TokenFile:
-    """The sequences of a data folder's `split`.bin ("train", "val"): a rank holds the rows it reads, not the file."""
+    """The sequences of a data folder's `split`.bin ("train", "val"): a rank holds the rows it reads, not the file. A
+    file that is missing or holds no sequence stops with one line (a run needs sequences to train on and a held-out set
+    to measure)."""
 
     def __init__(self, folder, split):
         self.path, self.context = os.path.join(folder, f"{split}.bin"), read_meta(folder)["context"]
+        if not os.path.isfile(self.path) or len(self) == 0:
+            holds = "holds no sequence" if os.path.isfile(self.path) else "is missing"
+            raise SystemExit(f"error: {self.path} {holds}: a run needs sequences to train on and held-out ones to "
+                             f"measure; prepare --data {folder} again (tools/prepare_data.py, from several documents)")
 
     def __len__(self):
         return os.path.getsize(self.path) // (2 * (self.context + 1))
@@ -81,9 +87,10 @@ def global_batch(count, batch, size, seed):
 
 
 class Shares(torch.utils.data.Dataset):
-    """Global batch number k -> (inputs and targets of this dp rank's share of it, a contiguous 1/dp of its rows; the
-    targets that count in the whole global batch, alike on every rank: the loss is their mean whatever the split).
-    For a DataLoader whose sampler lists the batch numbers to read; its workers each map the file themselves."""
+    """Global batch number k -> the inputs and targets of this dp rank's share of it, a contiguous 1/dp of its rows,
+    read alone: no rank reads another's rows. (The targets that count in the whole global batch, the loss's divisor,
+    are the shares' counts added over dp: one number a step, which the step all-reduces.) For a DataLoader whose
+    sampler lists the batch numbers to read; its workers each map the file themselves."""
 
     def __init__(self, tokens, size, seed, dp_rank, dp):
         self.tokens, self.size, self.seed, self.share = tokens, size, seed, size // dp  # the rows of a rank's share
@@ -91,8 +98,7 @@ class Shares(torch.utils.data.Dataset):
 
     def __getitem__(self, batch):
         indices = global_batch(len(self.tokens), batch, self.size, self.seed)
-        inputs, targets = self.tokens.read(indices)
-        return inputs[self.rows], targets[self.rows], (targets != IGNORE).sum()
+        return self.tokens.read(indices[self.rows])
 
 
 class HeldOut(Shares):
@@ -103,10 +109,10 @@ class HeldOut(Shares):
         return -(-len(self.tokens) // self.size)
 
     def __getitem__(self, batch):
-        positions = torch.arange(batch * self.size, (batch + 1) * self.size)
+        positions = torch.arange(batch * self.size, (batch + 1) * self.size)[self.rows]
         inputs, targets = self.tokens.read(positions.clamp(max=len(self.tokens) - 1))
         targets[positions >= len(self.tokens)] = IGNORE
-        return inputs[self.rows], targets[self.rows], (targets != IGNORE).sum()
+        return inputs, targets
 
 
 def skip_range(text):

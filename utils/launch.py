@@ -267,6 +267,23 @@ def errors_said_once(parser):
     return parser
 
 
+@contextlib.contextmanager
+def said_once_per_node(timeout_s):
+    """Around a torchrun worker's checks before its process group forms (its arguments, its files), which every rank of
+    a node makes alike: a mistake they find stops every rank, and is said once, by local rank 0. The other ranks say
+    nothing and wait for torchrun to stop them, which it does as soon as local rank 0 has exited: a rank that exited
+    first would have torchrun stop local rank 0 before it said anything. One that is still waiting after timeout_s
+    (local rank 0 found no mistake: the files changed between their checks) says it too, and exits."""
+    try:
+        yield
+    except SystemExit as stop:
+        if isinstance(stop.code, str) and os.environ.get("LOCAL_RANK", "0") != "0":
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                time.sleep(POLL_S)
+        raise
+
+
 def stop_on_signals():
     """In a step's own process (step 1's, or step 2's, which starts the workers with mp.spawn): SIGINT (Ctrl-C,
     `kill -INT`) and SIGTERM end it with one line, and stop its workers too, at once. Without it Python prints a

@@ -225,7 +225,7 @@ def exported(stage, path):
 
 
 def held_out_loss(schedule, stages, mesh, batches):
-    """The mean loss over every token that counts in the held-out `batches` (this dp rank's (inputs, targets, _) share
+    """The mean loss over every token that counts in the held-out `batches` (this dp rank's (inputs, targets) share
     of each), run through the pipeline `schedule` in eval mode by every rank of the mesh (pp, dp, tp) in step; the
     schedule's loss must be each micro-batch's summed (utils.data.token_loss). The last stages' sums and counts are
     added over the ranks (a tp group's once): the mean over every token, the same number on any layout. The schedule
@@ -241,7 +241,7 @@ def held_out_loss(schedule, stages, mesh, batches):
     totals = torch.zeros(2, device=device)  # [summed loss, tokens that count], of this rank's last-stage shares
     for model in models:
         model.eval()
-    for source, targets, _ in batches:
+    for source, targets in batches:
         inputs, losses = [source.to(device)] if stages[0].is_first else [], []
         with loss_parallel():
             schedule.step(*inputs, target=targets.to(device) if last else None, losses=losses)

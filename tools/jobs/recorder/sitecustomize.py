@@ -82,8 +82,8 @@ changed; without the variables nothing happens.
   there, its metadata not yet.
   - batches.jsonl, in a job of step 12 (long_run.py, whose DataLoader reads utils/data.py's Shares): a JSON line per
     optimizer step of a process: pid, rank, restart, `mesh` (as in samples.jsonl), `step` (the process's optimizer
-    steps so far, this one included), `rows` (a digest of each sequence this rank trained on in the step, in order: its
-    inputs' and targets' bytes) and `counted` (the tokens that count in the whole global batch, as the rank read it).
+    steps so far, this one included) and `rows` (a digest of each sequence this rank trained on in the step, in order:
+    its inputs' and targets' bytes).
     Written just before the optimizer's step, from what the DataLoader handed the training process last: what was
     trained on, not what a loader's worker read ahead.
 - JOB_KILL_AT=`RESTART:RANK:EPOCH`: that rank SIGKILLs itself as it begins that epoch in that attempt: a crash at a
@@ -510,8 +510,8 @@ if RECORD_DIR or KILL_AT_STEP:
     def _noting_next_item(self):
         item = _next_item(self)
         if RECORD_DIR and type(self._dataset).__name__ == "Shares":
-            inputs, targets, counted = item
-            _read.update(counted=int(counted), rows=[
+            inputs, targets = item
+            _read.update(rows=[
                 hashlib.sha1(row_in.numpy().tobytes() + row_out.numpy().tobytes()).hexdigest()[:16]
                 for row_in, row_out in zip(inputs.cpu(), targets.cpu())])
         return item
