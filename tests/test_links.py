@@ -89,7 +89,7 @@ DOCS = REPO / "docs"
 # Every step page that is a learner's page has its reference page, docs/reference/<page>.md; these at least.
 STEP_PAGES = ["single-device.md", "ddp.md", "torchrun.md", "multinode.md", "fsdp.md", "gpt.md", "tensor-parallel.md",
               "pipeline-parallel.md", "context-parallel.md", "expert-parallel.md", "one-mesh.md",
-              "plan-at-scale.md"]
+              "fault-tolerance-at-scale.md", "plan-at-scale.md"]
 # The pages of docs/ that teach a topic rather than a step, split the same way: a learner's page and its reference.
 TOPIC_PAGES = ["measure.md"]
 LEARNER_PAGES = sorted({*STEP_PAGES, *TOPIC_PAGES, *(page.name for page in (DOCS / "reference").glob("*.md"))})

@@ -11,7 +11,8 @@ weight is read from the run's sharded snapshot (its .metadata names the file, on
 the pipeline's passes and the routers' choices from the job runner's recorder (tools/jobs/recorder), the ring's sends
 from its record of every collective, the memory from the tables `--verbose` prints. The seven of steps 5-11 took 33 minutes on a
 shared 2-core machine at load 20 to 40 (the expert-parallel one, an epoch of the help pages, the longest: 8 minutes);
-the four of steps 1-4 took 2.5 to 8.5 minutes each at load 15 to 38 (step 3's, two restarts, the longest).
+the four of steps 1-4 took 2.5 to 8.5 minutes each at load 15 to 38 (step 3's, two restarts, the longest); step 13's,
+a heal, 3.5 minutes at load 10 to 27 (35 s of CPU: most of it the killed group's restart, importing torch again).
 """
 import argparse
 import json
@@ -28,8 +29,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as `python tools/figures.py`: the repository's packages
 
 from tools import pipeline_timeline  # noqa: E402
-from tools.jobs import (free_port, machine_summary, output, python, run, shared_file, shown, start,  # noqa: E402
-                        torchrun, torchrun_node)
+from tools.jobs import (free_port, lighthouse, machine_summary, next_heal, output, python,  # noqa: E402
+                        replica_groups, run, shared_file, shown, start, torchrun, torchrun_node)
 from tools.jobs.processes import process_env  # noqa: E402
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages  # noqa: E402
 from utils.metrics import RUN_DIR_VARIABLE  # noqa: E402
@@ -818,13 +819,96 @@ def plan_at_scale(work, world=1024, pp=8, tp=8):
                                                                  "peak")} for rank in plan["plans"]])
 
 
+# --- step 13: replica groups -----------------------------------------------------------------------------------------
+
+def group_steps(job, node):
+    """[(seconds, step, participants)] of the steps a group's rank 0 printed as committed, in order."""
+    return [(seconds, int(match["step"]), int(match["participants"])) for seconds, where, line in job.timeline
+            if where == node for match in [output.GROUP_STEP.search(line)] if match]
+
+
+def fault_tolerance_at_scale(work, together=100, after=40):
+    """fault_tolerant.py as two replica groups of one rank under --max_restarts=1, at a lighthouse with a heartbeat
+    timeout of 2 s: group 1's worker SIGKILLed once it has committed `together` steps with group 0; the steps each
+    group committed against the seconds, the kill, group 1's load of its snapshot, its heal, and the job stopped
+    `after` steps past the heal."""
+    port = free_port()
+    commands = [lighthouse(port), *replica_groups("fault_tolerant.py", 100, 2, "--timeout", 20, port=port,
+                                                  launcher_args=["--max_restarts=1"])]
+    with start(*commands, cwd=mkdir(work / "fault_tolerant"), services=1) as job:
+        # Group 1 may start late (it then heals at its first step): the kill comes once it has trained `together`
+        # steps with group 0, past a snapshot of its own (one every 64 steps), whatever step it began at.
+        trained = 0
+        while trained < together:
+            match = job.wait_for(output.GROUP_STEP, timeout=300)
+            trained += match["group"] == "1" and match["participants"] == "2"
+        killed_after = int(match["step"])
+        job.kill_worker(rank=0, node=2)  # node 2 is group 1's torchrun (node 0 the lighthouse); rank 0 its worker
+        healed = next_heal(job, group=1, timeout=300)
+        printed = healed  # the last step group 1 printed, until it is `after` steps past its heal
+        while printed < healed + after:
+            match = job.wait_for(output.GROUP_STEP, timeout=300)
+            printed = int(match["step"]) if match["group"] == "1" else printed
+        job.note(f"stops the job, {after} steps after group 1's heal")
+    # Node 0 is the lighthouse, node g + 1 group g's torchrun.
+    survivor, returned = group_steps(job, 1), group_steps(job, 2)
+    killed_at = next(seconds for seconds, node, line in job.timeline if node is None and line.startswith("SIGKILL"))
+    before = [row for row in returned if row[0] < killed_at]
+    back = [row for row in returned if row[0] > killed_at]
+    resumed_at, on_disk = next((seconds, int(match["epoch"]) * 32) for seconds, node, line in job.timeline
+                               if node == 2 for match in [output.RESUMED.search(line)] if match)
+    healed_at = next(seconds for seconds, node, line in job.timeline
+                     if node == 2 and seconds > killed_at and output.HEALED.search(line))
+    # Group 0's longest wait between two committed steps in the few steps after the kill.
+    waited = max((pair for pair in zip(survivor, survivor[1:]) if pair[1][0] > killed_at and
+                  pair[1][1] <= killed_after + 5), key=lambda pair: pair[1][0] - pair[0][0])
+    (wait_from, wait_step, _), (wait_to, _, _) = waited
+    alone = [step for _, step, participants in survivor if participants == 1 and step > killed_after]
+
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(12, 5))
+    for points, label in ((before, "group 1 (its first worker, then the one its torchrun started again)"),
+                          (back, None)):
+        axes.plot([p[0] for p in points], [p[1] for p in points], ".", markersize=8, alpha=0.35,
+                  color="tab:orange", label=label)
+    for participants, color, label in ((2, "tab:blue", "group 0, a step of 2 groups"),
+                                       (1, "tab:cyan", "group 0, a step alone (participants 1)")):
+        points = [p for p in survivor if p[2] == participants]
+        axes.plot([p[0] for p in points], [p[1] for p in points], ".", markersize=3, color=color, label=label)
+    axes.axvline(killed_at, color="red", linewidth=1.5)
+    axes.annotate(f" SIGKILL to group 1's worker\n (after step {killed_after})", (killed_at, healed * 0.15),
+                  color="red", fontsize=8)
+    axes.axvspan(killed_at, healed_at, color="0.92")
+    axes.annotate(f"group 0 waits {wait_to - wait_from:.1f} s after step {wait_step}\n(the lighthouse's heartbeat "
+                  f"timeout), then trains {len(alone)} steps alone", (wait_to, wait_step), xytext=(12, 8),
+                  textcoords="offset points", fontsize=8, arrowprops=dict(arrowstyle="->"))
+    axes.plot(resumed_at, on_disk, "v", color="tab:orange", markersize=9, markeredgecolor="black")
+    axes.annotate(f"group 1 back {resumed_at - killed_at:.1f} s after the kill: loads its own snapshot, step {on_disk}",
+                  (resumed_at, on_disk), xytext=(-10, -4), textcoords="offset points", ha="right", fontsize=8)
+    axes.annotate("", (healed_at, healed), (resumed_at, on_disk),
+                  arrowprops=dict(arrowstyle="->", color="tab:orange", linewidth=1.5))
+    axes.plot(healed_at, healed, "*", color="tab:orange", markersize=14, markeredgecolor="black")
+    axes.annotate(f"healed at step {healed} from group 0, not from disk;\nfrom it on, both print the same weights",
+                  (healed_at, healed), xytext=(-10, 10), textcoords="offset points", ha="right", fontsize=8)
+    axes.set(xlabel="seconds since the job started", ylabel="step committed",
+             title="group 0 never stops; group 1, killed, comes back at the step the job is at, with group 0's state")
+    axes.title.set_fontsize(9)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8, loc="upper left", markerscale=2)
+    figure.suptitle("fault_tolerant.py: two replica groups of one rank at a lighthouse; group 1's worker SIGKILLed, "
+                    "its torchrun starts it again", fontsize=10)
+    return figure, job, dict(killed_after=killed_after, wait=wait_to - wait_from, wait_step=wait_step,
+                             alone=len(alone), back=resumed_at - killed_at, on_disk=on_disk, healed=healed,
+                             healed_after=healed_at - killed_at)
+
+
 # --- drawing them ----------------------------------------------------------------------------------------------------
 
 # Each figure, by the page that shows it (docs/<page>.md shows figures/<page>.png).
 FIGURES = {"single-device": single_device, "ddp": ddp, "torchrun": torchrun_figure, "multinode": multinode,
            "fsdp": fsdp, "gpt": gpt, "tensor-parallel": tensor_parallel, "pipeline-parallel": pipeline_parallel,
            "context-parallel": context_parallel, "expert-parallel": expert_parallel, "one-mesh": one_mesh,
-           "plan-at-scale": plan_at_scale}
+           "plan-at-scale": plan_at_scale, "fault-tolerance-at-scale": fault_tolerance_at_scale}
 
 
 def path_of(name, folder=FOLDER):
