@@ -146,7 +146,7 @@ TERMS = ["rank", "local rank", "world size", "process group", "backend", "gloo",
          "gradient accumulation", "bf16 and mixed precision", "MFU", "tokens/s", "torch.compile", "node", "rendezvous",
          "c10d and static rendezvous", "store", "mp.spawn", "elastic training", "DistributedSampler", "epoch",
          "optimizer step", "held-out loss", "overfitting", "noise floor", "samples/s and scaling efficiency",
-         "checkpoint", "barrier", "attempt"]
+         "checkpoint", "barrier", "attempt", "token file", "rewind"]
 
 
 def glossary_entries():
