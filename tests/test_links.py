@@ -88,7 +88,7 @@ def test_a_file_named_but_missing_is_found():
 DOCS = REPO / "docs"
 # Every step page that is a learner's page has its reference page, docs/reference/<page>.md; these at least.
 STEP_PAGES = ["single-device.md", "ddp.md", "torchrun.md", "multinode.md", "fsdp.md", "gpt.md", "tensor-parallel.md",
-              "pipeline-parallel.md", "context-parallel.md", "expert-parallel.md", "one-mesh.md",
+              "pipeline-parallel.md", "context-parallel.md", "expert-parallel.md", "one-mesh.md", "long-run.md",
               "plan-at-scale.md"]
 # The pages of docs/ that teach a topic rather than a step, split the same way: a learner's page and its reference.
 TOPIC_PAGES = ["measure.md"]
