@@ -88,7 +88,7 @@ def test_a_file_named_but_missing_is_found():
 DOCS = REPO / "docs"
 # Every step page that is a learner's page has its reference page, docs/reference/<page>.md; these at least.
 STEP_PAGES = ["single-device.md", "ddp.md", "torchrun.md", "multinode.md", "fsdp.md", "gpt.md", "tensor-parallel.md",
-              "pipeline-parallel.md", "context-parallel.md", "expert-parallel.md", "one-mesh.md",
+              "pipeline-parallel.md", "context-parallel.md", "expert-parallel.md", "one-mesh.md", "long-run.md",
               "fault-tolerance-at-scale.md", "plan-at-scale.md"]
 # The pages of docs/ that teach a topic rather than a step, split the same way: a learner's page and its reference.
 TOPIC_PAGES = ["measure.md"]
@@ -146,7 +146,7 @@ TERMS = ["rank", "local rank", "world size", "process group", "backend", "gloo",
          "gradient accumulation", "bf16 and mixed precision", "MFU", "tokens/s", "torch.compile", "node", "rendezvous",
          "c10d and static rendezvous", "store", "mp.spawn", "elastic training", "DistributedSampler", "epoch",
          "optimizer step", "held-out loss", "overfitting", "noise floor", "samples/s and scaling efficiency",
-         "checkpoint", "barrier", "attempt"]
+         "checkpoint", "barrier", "attempt", "token file", "rewind"]
 
 
 def glossary_entries():

@@ -569,15 +569,16 @@ def test_a_snapshot_of_another_text_with_as_many_characters_is_refused_with_one_
 
 
 def test_the_page_quotes_the_code_as_it_is():
-    """docs/long-run.md walks through utils/data.py and a few lines of long_run.py: every line of a quoted block
-    (a ```python block whose first line names its file) is in that file as it is (its indentation aside)."""
-    page = (REPO / "docs" / "long-run.md").read_text()
+    """docs/reference/long-run.md walks through utils/data.py and a few lines of long_run.py: every line of a quoted
+    block (a ```python block whose first line names its file) is in that file as it is (its indentation aside). (The
+    learner's page, docs/long-run.md, quotes without naming the file: tests/test_links.py holds its excerpts.)"""
+    page = (REPO / "docs" / "reference" / "long-run.md").read_text()
     blocks = re.findall(r"```python\n# (\S+\.py)\n(.*?)```", page, re.S)
     assert {path for path, _ in blocks} == {"utils/data.py", "long_run.py"}, blocks
     for path, block in blocks:
         code = {line.strip() for line in (REPO / path).read_text().splitlines()}
         missing = [line for line in block.splitlines() if line.strip() and line.strip() not in code]
-        assert not missing, f"docs/long-run.md quotes lines that {path} does not hold: {missing}"
+        assert not missing, f"docs/reference/long-run.md quotes lines that {path} does not hold: {missing}"
 
 
 @pytest.mark.gpu

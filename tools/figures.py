@@ -13,6 +13,7 @@ from its record of every collective, the memory from the tables `--verbose` prin
 shared 2-core machine at load 20 to 40 (the expert-parallel one, an epoch of the help pages, the longest: 8 minutes);
 the four of steps 1-4 took 2.5 to 8.5 minutes each at load 15 to 38 (step 3's, two restarts, the longest); step 13's,
 a heal, 3.5 minutes at load 10 to 27 (35 s of CPU: most of it the killed group's restart, importing torch again).
+Step 12's, its run killed once and restarted, takes 2 minutes (75 s of CPU) at load 6 to 9.
 """
 import argparse
 import json
@@ -819,6 +820,53 @@ def plan_at_scale(work, world=1024, pp=8, tp=8):
                                                                  "peak")} for rank in plan["plans"]])
 
 
+# --- step 12: the long run -----------------------------------------------------------------------------------------
+
+def long_run(work, total=36, kill_at=17):
+    """long_run.py on 2 processes (pp 2) on the short help pages (the tests' token files and batches: global batches of
+    16, a snapshot every 6 steps), a line every step and a held-out loss every 6; rank 1 SIGKILLs itself before an
+    optimizer step after step 12's snapshot, and torchrun starts both again from that snapshot: the training loss of
+    every step of each attempt, the held-out losses, the kill and the resume, read from what the run printed."""
+    from tools.prepare_data import short_help_pages
+
+    job = run(torchrun("long_run.py", total, 6, "--data", short_help_pages(), "--workload", "gpt-cpu", "--dropout", 0,
+                       "--global_batch", 16, "--microbatches", 2, "--eval_every", 6, "--log_every", 1, "--pp", 2,
+                       "--tp", 1, nproc=2, launcher_args=["--max_restarts=1"]),
+              cwd=mkdir(work / "long_run"), record=True, kill_at_step=(0, 1, kill_at), timeout=600)
+    resumed = output.STEP_RESUMED.search(job.output)
+    before, after = job.output[:resumed.start()], job.output[resumed.start():]
+    first = {int(match["step"]): float(match["loss"]) for match in output.STEP.finditer(before)}
+    second = {int(match["step"]): float(match["loss"]) for match in output.STEP.finditer(after)}
+    held_out = dict(output.held_out_losses(job.output))  # a step's held-out loss printed twice is the same number
+    resume_step, resume_batch = int(resumed["step"]), int(resumed["batch"])
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(10, 5))
+    again = [step for step in second if step in first]
+    same = all(first[step] == second[step] for step in again)
+    # The first attempt drawn wide and pale under the second: where both trained a step, the dots fall in its rings.
+    axes.plot(list(first), list(first.values()), color="tab:gray", marker="o", markersize=9, fillstyle="none",
+              linewidth=3, alpha=0.5, label="training loss, first attempt")
+    axes.plot(list(second), list(second.values()), color="tab:blue", marker=".",
+              label=f"training loss, after the restart (steps {again[0]}-{again[-1]} again: "
+                    f"{'the same losses' if same else 'other losses'})")
+    axes.plot(list(held_out), list(held_out.values()), color="tab:orange", marker="o",
+              label="held-out loss (every 6 steps, all 55 held-out sequences)")
+    axes.axvline(max(first) + 0.5, color="tab:red", linestyle=":")
+    axes.text(max(first) + 0.3, max(first.values()), f"rank 1 SIGKILLed\nbefore step {max(first) + 1}",
+              color="tab:red", fontsize=8, va="top", ha="right")
+    axes.axvline(resume_step, color="black", linestyle="--")
+    axes.text(resume_step - 0.3, max(first.values()), f"resumed from the snapshot\nof step {resume_step}: global "
+              f"batch {resume_batch}\nnext (the cursor)", fontsize=8, va="top", ha="right")
+    axes.set(xlabel="optimizer step (a global batch of 16 sequences each)", ylabel="loss (mean over every token)",
+             title="the steps after the snapshot are trained again, on the same global batches")
+    axes.title.set_fontsize(9)
+    axes.legend(fontsize=8, loc="upper right")
+    figure.suptitle("long_run.py on 2 ranks (pp 2): a kill between snapshots, torchrun's restart, the run resumed at "
+                    "its cursor", fontsize=10)
+    return figure, job, dict(first=first, second=second, held_out=held_out, resumed=(resume_step, resume_batch),
+                             trained_again=again, same_losses=same)
+
+
 # --- step 13: replica groups -----------------------------------------------------------------------------------------
 
 def group_steps(job, node):
@@ -908,7 +956,8 @@ def fault_tolerance_at_scale(work, together=100, after=40):
 FIGURES = {"single-device": single_device, "ddp": ddp, "torchrun": torchrun_figure, "multinode": multinode,
            "fsdp": fsdp, "gpt": gpt, "tensor-parallel": tensor_parallel, "pipeline-parallel": pipeline_parallel,
            "context-parallel": context_parallel, "expert-parallel": expert_parallel, "one-mesh": one_mesh,
-           "plan-at-scale": plan_at_scale, "fault-tolerance-at-scale": fault_tolerance_at_scale}
+           "plan-at-scale": plan_at_scale, "fault-tolerance-at-scale": fault_tolerance_at_scale,
+           "long-run": long_run}
 
 
 def path_of(name, folder=FOLDER):

@@ -1,7 +1,7 @@
-"""The long run's data (long_run.py, step 12), walked through line by line in docs/long-run.md: a text's documents as
-token files on disk (TokenFile: read row by row, never held whole), the order a run reads their sequences in
-(global_batch), each dp rank's share of a global batch (Shares, HeldOut), the loss over the tokens that count
-(token_loss), --skip (skip_range, batch_range) and the GPT of the files' vocabulary (model_of).
+"""The long run's data (long_run.py, step 12), walked through line by line in docs/reference/long-run.md: a text's
+documents as token files on disk (TokenFile: read row by row, never held whole), the order a run reads their
+sequences in (global_batch), each dp rank's share of a global batch (Shares, HeldOut), the loss over the tokens that
+count (token_loss), --skip (skip_range, batch_range) and the GPT of the files' vocabulary (model_of).
 
 A run reads the sequences as one stream: every sequence once per epoch, in an order drawn anew each epoch from the
 seed and the epoch's number, cut into global batches of a fixed number of sequences. Global batch k is positions
