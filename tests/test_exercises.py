@@ -3,6 +3,7 @@ named in the learner's terms, with their line, and a correct run's records get n
 their steps only where a TODO says. (tests/test_exercise_runs.py runs the scripts: that the recorder and these
 verdicts meet.)"""
 import difflib
+import re
 import types
 
 import pytest
@@ -394,3 +395,15 @@ def test_the_context_verdicts_name_a_cut_that_overlaps_a_wrong_loss_an_uneven_lo
         "the keys before it, so the rank holding the end of the sequence does the most. Give each rank an early chunk "
         "and a late one: of 2 x cp chunks, rank r holds chunks r and 2cp-1-r"]
     assert problems(balanced, [0, 0])[0].startswith("rank 0's attention computed nothing by the ring in epoch 0")
+
+
+def test_every_utils_function_a_hint_or_page_names_exists():
+    """A hint that sends the learner to `utils.something()` sends them to a function the project has."""
+    import utils
+
+    pages = [*REPO.glob("exercises/*/hints.md"), *REPO.glob("docs/*.md"), *REPO.glob("docs/reference/*.md")]
+    named = {(page.relative_to(REPO).as_posix(), name) for page in pages
+             for name in re.findall(r"(?<![\w.])utils\.([a-z_]+)\(", page.read_text())}
+    assert len(named) >= 5, named
+    missing = sorted((page, name) for page, name in named if not hasattr(utils, name))
+    assert not missing, missing
