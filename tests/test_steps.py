@@ -143,6 +143,10 @@ def test_the_demo_sums_up_every_step_and_narrates_the_fault(demo_run):
     for step in ("single_gpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py"):
         falls = re.search(rf"^{re.escape(step)} +loss ([\d.]+) \(epoch 0\) -> ([\d.]+) \(epoch 3\)$", summary, re.M)
         assert falls and float(falls[2]) < 0.5 * float(falls[1]), summary
+    # torchrun's banner about OMP_NUM_THREADS is explained once and never shown in the steps' lines.
+    steps_shown = demo_run["printed"].split("=== Step 3 under fire")[0]
+    assert "Setting OMP_NUM_THREADS" not in steps_shown, steps_shown
+    assert steps_shown.count("torchrun's banner about OMP_NUM_THREADS, left out here and below") == 1, steps_shown
     # Steps 2 to 5 compute the same thing on 2 CPU ranks, and the demo says so: its best lesson, said.
     assert "Steps 2 to 5 end at the same loss (" in summary and "not what they compute." in summary, summary
     # The steps the demo runs for one epoch: the weights they end with do better than the epoch's mean.

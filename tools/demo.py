@@ -37,6 +37,11 @@ FT_EPOCHS, FT_KILL_AFTER, FT_STOP_AFTER = 100, 10, 20
 NOTICE = re.compile(r"[WEI]\d{4} [\d:.]+ \d+ \S+\] (.*)")  # a torchrun log record, as output.Narrator reads them
 
 
+# torchrun's banner when it starts several workers without OMP_NUM_THREADS: its two lines and their frame of stars.
+OMP_BANNER = re.compile(r"^\*{20,}$|^Setting OMP_NUM_THREADS environment variable for each process")
+explained = []  # the banner is explained the first time it is left out
+
+
 def where(path):
     """A path as the demo prints it: from the repository's root when it is inside."""
     return path.relative_to(REPO) if path.is_relative_to(REPO) else path
@@ -51,7 +56,17 @@ def show(title, *commands, timeout, narrated=False, env=None, **options):
     name = Path(next(part for part in commands[0] if str(part).endswith(".py"))).stem
     job = run(*commands, cwd=RUN_DIR, logs=RUN_DIR / name, gpu=True, timeout=timeout, check=False,
               env={"OMP_NUM_THREADS": None, **(env or {})}, **options)
-    print(job.output.rstrip() if narrated else "\n".join(output.own_lines(job.output)), flush=True)
+    if narrated:
+        print(job.output.rstrip(), flush=True)
+    else:
+        lines = output.own_lines(job.output)
+        if any(OMP_BANNER.search(line) for line in lines):
+            lines = [line for line in lines if not OMP_BANNER.search(line)]
+            if not explained:
+                lines.insert(0, "(torchrun's banner about OMP_NUM_THREADS, left out here and below: with the variable "
+                                "unset it gives each worker one thread, so that workers do not fight over the cores)")
+                explained.append(True)
+        print("\n".join(lines), flush=True)
     return require_ok(title, job, timeout)
 
 
