@@ -436,7 +436,7 @@ def test_each_rank_writes_its_own_metrics_file_one_line_per_epoch_and_a_resumed_
     assert sorted(path.name for path in run_dir.iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
     runs = plot_metrics.read_run(run_dir)
     steps_per_epoch = DATASET_SIZE // 2 // 32  # half the data per rank, batch 32
-    fields = {"rank", "world_size", "epoch", "step", "loss", "samples", "seconds", "samples_per_s", "time"}
+    fields = {"rank", "world_size", "epoch", "step", "loss", "samples", "seconds", "samples_per_s", "time", "memory_peak"}
     for rank, records in runs.items():
         assert [r["epoch"] for r in records] == [0, 1, 2, 3], "epochs 2 and 3 appended by the rerun"
         for r in records:
@@ -444,6 +444,7 @@ def test_each_rank_writes_its_own_metrics_file_one_line_per_epoch_and_a_resumed_
             assert (r["rank"], r["world_size"], r["samples"]) == (rank, 2, 1024)  # this rank's share, not 2048
             assert r["step"] == (r["epoch"] + 1) * steps_per_epoch
             assert r["samples_per_s"] == pytest.approx(r["samples"] / r["seconds"])
+            assert r["memory_peak"] > 0  # on a CPU the process's peak resident memory (utils.metrics)
 
 
 @pytest.mark.slow
