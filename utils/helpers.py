@@ -324,64 +324,6 @@ def latest_snapshot(folder):
     return (whole_snapshots(folder) or [os.path.join(folder, "none")])[-1]
 
 
-def snapshot_to_resume(folder, resume_from=None):
-    """The snapshot a long run goes on from: the last whole one of its --snapshot_path `folder` (a path that does not
-    exist when there is none), or with --resume_from STEP that step's (a rewind, after a loss spike). Stops with one
-    line when `folder` is a snapshot itself (it holds a .metadata: step 11's snapshot folder, or one step-<steps>/ of
-    a long run's), when STEP's snapshot is not kept (the line names the steps that are), and when snapshots later than
-    STEP are there that no run rewound to STEP wrote: the rewound run would write over them, or resume from them after a
-    restart, so they must be moved out first (the line says how). The later ones that a run rewound to STEP wrote are
-    its own (their REWOUND_TO is STEP): the same command again (torchrun's restart, a job run again) goes on from the
-    last of them. Reads the folder's names and, with --resume_from, one number of the last snapshot: call it on every
-    rank before the process group forms."""
-    if os.path.isfile(os.path.join(folder, ".metadata")):
-        raise SystemExit(f"error: --snapshot_path {folder} is a snapshot itself (it holds a .metadata: step 11's "
-                         "snapshot folder, or one of a long run's step-<steps>/), not a folder of them: give the long "
-                         f"run a folder of its own, e.g. the default long_snapshots; {folder} is left as it is")
-    if resume_from is None:
-        return latest_snapshot(folder)
-    snapshots, wanted = whole_snapshots(folder), step_snapshot(folder, resume_from)
-    later = [path for path in snapshots if path > wanted]
-    if later and rewound_to(later[-1]) == resume_from:
-        return later[-1]
-    if wanted not in snapshots:
-        kept = f"it keeps those of steps {_steps_of(snapshots)}" if snapshots else "it holds none"
-        raise SystemExit(f"error: --resume_from {resume_from}: {folder} keeps no snapshot of step {resume_from}; "
-                         f"{kept} (--keep says how many of the last stay)")
-    if later:
-        raise SystemExit(f"error: --resume_from {resume_from}: {folder} holds snapshots after step {resume_from} (of "
-                         f"steps {_steps_of(later)}), which the rewound run would write over, or resume from after a "
-                         f"restart: move them out first (e.g. `mkdir -p spiked && mv {' '.join(later)} spiked/`), or "
-                         f"leave --resume_from out to go on from step {_steps_of(later[-1:])}; nothing was changed")
-    return wanted
-
-
-def _steps_of(snapshots):
-    """`12, 18 and 24`: the steps of a long run's snapshots (step_snapshot's paths)."""
-    steps = [str(int(os.path.basename(path).removeprefix("step-"))) for path in snapshots]
-    return " and ".join([", ".join(steps[:-1]), steps[-1]] if len(steps) > 1 else steps)
-
-
-def rewound_to(path):
-    """The step that the run which wrote the long run's snapshot at `path` was rewound to with --resume_from (its
-    REWOUND_TO; 0: none, or a snapshot from before they said it). Read by this process alone, before the process
-    group forms, through the steps' own reader (utils.snapshot_reader: as data only), that one number alone."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    from utils.snapshot_reader import SnapshotReader
-
-    with stop_if_unloadable(path):
-        reader = SnapshotReader(path)
-        values = dict(REWOUND_TO=0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # DCP says it loads in one process: that is what is meant
-            dcp.load(values, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
-    return values["REWOUND_TO"]
-
-
 def snapshot_folder(path):
     """argparse type for a long run's --snapshot_path, a folder of snapshots (`step-<steps>`): where writable_path
     allows a snapshot, with what saves cut short left in it removed (`step-<steps>.<run id>.tmp`)."""
