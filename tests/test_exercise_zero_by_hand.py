@@ -236,7 +236,10 @@ def test_the_starting_file_trains_right_but_keeps_a_whole_adamw_and_every_gradie
     state, gradients = checked(REPO / "exercises/8_zero_by_hand/start.py", tmp_path)
     assert state.startswith("with --stage 1 and with --stage 2, ranks 0 and 1 each held 2,712 bytes of optimizer "
                             "state as they stepped (the whole model's"), state
-    assert gradients.startswith("with --stage 2, ranks 0 and 1 each held 2,712 bytes of gradients"), gradients
+    # Three copies of the model's 339 gradients (1,356 bytes): the parameters' .grad, the flat vector all_reduce
+    # filled, still a variable at the step, and the shard's .grad, a slice of it divided into a tensor of its own.
+    assert gradients.startswith("with --stage 2, ranks 0 and 1 each held 4,068 bytes of gradients"), gradients
+    assert "given to all_reduce at line" in gradients and "dist.all_reduce(flat_grad)" in gradients, gradients
 
 
 # The wrong solutions run --stage 2 only: its run is judged on all that --stage 1's is, and on the gradients besides.

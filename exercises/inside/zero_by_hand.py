@@ -247,7 +247,11 @@ def gradient_problems(plugin_rows, expected, stage=2, script=None):
     if not over:
         return []
     holders = worst[over[0]].get("holders") or []
-    what = f": {'; '.join(holder(row, script) for row in holders[:3])}" if holders else ""
+    # The three largest holders are named; the rest are added up, so that the parts add up to the whole.
+    named = [holder(row, script) for row in holders[:3]]
+    if len(holders) > 3:
+        named.append(f"{sum(row['bytes'] for row in holders[3:]):,} in {len(holders) - 3} more")
+    what = f": {'; '.join(named)}" if named else ""
     return [f"with --stage {stage}, {who(over)} held {held[over[0]]:,} bytes of gradients {stepping(over)} (the "
             "memory of every tensor that holds a gradient, wherever it is held; a slice keeps its whole tensor "
             f"alive{what}). ZeRO-2 keeps its shard's only: {share:,} bytes ({shard_of(expected['numel'])} x 4). Once "
