@@ -56,6 +56,23 @@ def until_step(job, group, step, timeout=120):
     job.new_lines()
 
 
+def all_trained_together(job, groups, step, timeout=180):
+    """Follow the job until each of its `groups` groups has printed a line of its own for `step` or later with all
+    of them as participants. One group's such line is not enough: a group that started late (a busy machine) heals
+    to the job's step as it joins, and its first line, for that very step, may come after the others'."""
+    together, deadline = set(), time.monotonic() + timeout
+    while len(together) < groups:
+        try:
+            match = job.wait_for(output.GROUP_STEP, timeout=deadline - time.monotonic())
+        except AssertionError as error:
+            missing = sorted(set(map(str, range(groups))) - together)
+            raise AssertionError(f"group(s) {', '.join(missing)} printed no step from {step} on with all {groups} "
+                                 f"groups within {timeout} s: {error}") from None
+        if int(match["step"]) >= step and match["participants"] == str(groups):
+            together.add(match["group"])
+    job.new_lines()
+
+
 def step_lines(job, node):
     """[(second the line was read, step, participants, weights)] of one group (node 1: group 0, node 2: group 1)."""
     return [(seconds, int(match["step"]), int(match["participants"]), match["weights"])
@@ -359,15 +376,15 @@ def test_groups_back_without_the_jobs_steps_wait_for_it_and_a_group_back_after_t
     resumed, joins them and they heal from it. (2) Group 1 SIGKILLed again while its torchrun is stopped, so that it
     comes back after groups 0 and 2 have finished: it finds the job's result beside the snapshots, stops with one line
     (exit 0), and the result stays as it was. --timeout 90: group 0 hangs while the two restart (up to a minute on a
-    busy machine) and must not give up its quorum meanwhile."""
+    busy machine) and must not give up its quorum meanwhile. The groups are held at their Managers until all three
+    are there (on a busy machine their starts are 5-12 s apart, the job's 66 steps take 20 s, and a group that joins
+    late heals to the job's step), and the kills wait for a step each of them trained with the other two."""
     port = free_port()
     commands = replica_groups("fault_tolerant.py", 3, 1000, "--timeout", 90, port=port, groups=3,
                               launcher_args=["--max_restarts=2"])
-    with start(lighthouse(port), *commands, cwd=tmp_path, services=1) as job:
-        step = -1
-        while step < 20:
-            match = job.wait_for(output.GROUP_STEP, timeout=180)
-            step = int(match["step"]) if match["participants"] == "3" else step
+    with start(lighthouse(port), *commands, cwd=tmp_path, services=1, hold=True) as job:
+        job.release(processes=3)
+        all_trained_together(job, groups=3, step=20)
         job.kill_worker(rank=0, node=2)
         job.kill_worker(rank=0, node=3)
         hung = job.kill_worker(rank=0, node=1, sig=signal.SIGSTOP)
@@ -384,7 +401,9 @@ def test_groups_back_without_the_jobs_steps_wait_for_it_and_a_group_back_after_t
         until_step(job, 1, max(healed.values()) + 5)
         os.kill(job.procs[2].pid, signal.SIGSTOP)  # group 1's torchrun: it restarts the group only once resumed
         job.kill_worker(rank=0, node=2, restart=1)
+        deadline = time.monotonic() + 240
         while job.procs[1].poll() is None or job.procs[3].poll() is None:
+            assert time.monotonic() < deadline, f"groups 0 and 2 did not finish the job within 240 s: {job.poll()}"
             job.new_lines()
             time.sleep(0.1)
         result = (tmp_path / "ft_model_full.pt").read_bytes()
@@ -392,10 +411,14 @@ def test_groups_back_without_the_jobs_steps_wait_for_it_and_a_group_back_after_t
         codes = job.wait(180)
     for node in (2, 3):
         # Its attempts, split where torchrun reports the worker SIGKILLed: the steps it trained, and those back.
-        before, back = job.node_output(node).split("failed (exitcode: -9)")[:2]
-        reached = max(int(match["step"]) for match in output.GROUP_STEP.finditer(before))
+        attempts = job.node_output(node).split("failed (exitcode: -9)")
+        assert len(attempts) > 1, f"group {node - 1}'s torchrun never reported its worker killed: {attempts[0][-2000:]}"
+        before, back = attempts[:2]
+        reached = [int(match["step"]) for match in output.GROUP_STEP.finditer(before)]
+        assert reached, f"group {node - 1} printed no step before its kill, though the test waited for one: {before}"
         trained = [int(match["step"]) for match in output.GROUP_STEP.finditer(back)]
-        assert trained and min(trained) > reached, f"group {node - 1} came back and trained without the job's steps"
+        assert trained, f"group {node - 1} came back and never trained a step: {back[-2000:]}"
+        assert min(trained) > max(reached), f"group {node - 1} came back and trained without the job's steps"
         assert "no group of this quorum holds the job's steps" in back, back[-2000:]
     assert min(healed.values()) >= 20, healed
     assert codes[1:] == [0, 0, 0], (codes, job.output[-3000:])
