@@ -30,13 +30,14 @@ STOPPED_S = 5  # how long a rank is stopped (SIGSTOP) to play a machine that han
 
 
 def groups_job(cwd, epochs, save_every=1, *args, nproc=1, min_replicas=1, restarts=0, node_env=None, record=False,
-               timeout=TIMEOUT):
-    """Start a lighthouse and two replica groups of fault_tolerant.py (nproc ranks each): a running job."""
+               timeout=TIMEOUT, logs=None):
+    """Start a lighthouse and two replica groups of fault_tolerant.py (nproc ranks each): a running job (its logs in
+    `logs`, else in `cwd`)."""
     port = free_port()
     commands = [lighthouse(port, min_replicas),
                 *replica_groups("fault_tolerant.py", epochs, save_every, "--timeout", timeout, *args, port=port,
                                 nproc=nproc, launcher_args=[f"--max_restarts={restarts}"])]
-    return start(*commands, cwd=cwd, services=1, node_env=node_env, record=record)
+    return start(*commands, cwd=cwd, services=1, node_env=node_env, record=record, logs=logs)
 
 
 def finished(job, timeout=240):
@@ -163,8 +164,9 @@ def killed(tmp_path_factory):
     """Two groups of one rank, a snapshot every 2 epochs (64 steps), a lighthouse that lets one group go on alone;
     group 1's worker SIGKILLed once it has saved a snapshot and both have trained 100 steps together, and its torchrun
     starts it again (--max_restarts=1). The job has more epochs than it needs: it is stopped once group 1, back, has
-    trained 30 steps with group 0 (on a busy machine the restart alone can take 10 s). (job, the step of the kill, the
-    heal's step)"""
+    trained 30 steps with group 0 (on a busy machine the restart alone can take 10 s); then both groups are killed at
+    once, their whole process trees (their machines gone), leaving their snapshots in the job's folder (job.cwd).
+    (job, the step of the kill, the heal's step)"""
     with groups_job(tmp_path_factory.mktemp("killed"), 1000, 2, restarts=1) as job:
         job.wait_for(r"\[group 1 .*\] epoch \d+ \| snapshot saved", timeout=120)  # something of its own to load
         killed = kill_when_training_together(job, steps=100)
@@ -347,16 +349,15 @@ def test_the_lighthouse_killed_ends_every_group_with_one_line_within_the_timeout
 
 
 @pytest.mark.slow
-def test_every_group_gone_resumes_from_the_snapshots_on_disk_with_nothing_lost(tmp_path):
-    """Both groups killed (their machines gone) once each has saved a snapshot (every 2 epochs; a group that joined
-    late saves from its first epoch's end on); started again together (the lighthouse waits for both), the job goes on
-    from the newest snapshot: the group with an older one heals. The second job is stopped 20 steps on."""
-    with groups_job(tmp_path, 1000, 2) as first:
-        for group in (0, 1):
-            first.wait_for(rf"\[group {group} .*\] epoch \d+ \| snapshot saved", timeout=180)
-        first.kill_node(1)
-        first.kill_node(2)
-    with groups_job(tmp_path, 1000, 2, min_replicas=2) as again:
+def test_every_group_gone_resumes_from_the_snapshots_on_disk_with_nothing_lost(killed, tmp_path):
+    """Both groups of the `killed` job killed at once (their machines gone), each with a snapshot of its own (every 2
+    epochs: 64 steps; both trained 130 steps or more, group 1 restarted on the way), started again together (the
+    lighthouse waits for both): the job goes on from the newest snapshot, and the group with an older one heals. The
+    second job is stopped 20 steps on."""
+    first, *_ = killed
+    for group in (0, 1):
+        assert re.search(rf"\[group {group} .*\] epoch \d+ \| snapshot saved", first.output), f"no snapshot of {group}"
+    with groups_job(first.cwd, 1000, 2, min_replicas=2, logs=tmp_path) as again:
         first_step = int(again.wait_for(output.GROUP_STEP, timeout=180)["step"])
         until_step(again, 0, first_step + 20)
         until_step(again, 1, first_step + 20)
