@@ -371,8 +371,8 @@ BEFORE_A_FLIP = 1e-4
 NEAR_TIE = 1e-4
 # After the first flip the job trains another model than one process, as near as its routes allow. Measured on this
 # job: the epochs' mean step losses 0.0020 and 0.0090 from one process's, the held-out loss 0.0015 (other layouts, in
-# benchmarks/router_flips.py: printed epoch losses up to 0.032 apart, held-out losses up to 0.025); one process
-# training other batches (16 a step) ends 0.139 away.
+# benchmarks/router_flips.py: printed epoch losses up to 0.019 from the step's on one process, held-out losses up to
+# 0.025 from one process's); one process training other batches (16 a step) ends 0.139 away.
 AFTER_A_FLIP = 0.05
 
 
