@@ -24,7 +24,7 @@ from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_
 from utils import require_written_by
 from utils.snapshot_reader import SnapshotReader
 from utils import require_same_arguments, require_same_start
-from utils import exists_on_any_rank, mesh_with_timeout, non_negative_number
+from utils import exists_on_any_rank, mesh_with_timeout, non_negative_number, size_of
 from utils.moe import balance_loss, describe, moe_layers, require_ep_fits, routing_stats, split_experts, whole_grad_norm
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, every_rank_rng_state, generate, mfu
 from utils.loop import set_rng_state
@@ -179,7 +179,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 def main(args):
     check_options(args)  # an option that cannot run here: one line, before anything
     # Whole ep groups, each rank as many experts as the others: else one line, before anything starts.
-    require_ep_fits(args, int(os.environ["WORLD_SIZE"]))
+    require_ep_fits(args.ep, args.top_k, size_of(args.workload).experts, int(os.environ["WORLD_SIZE"]))
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")

@@ -43,8 +43,9 @@ def reference(tmp_path_factory):
     return load(workdir / SNAPSHOT)
 
 
+# Each job is bounded by its waits (60 s an event, 120 s for the end), not by a test-wide figure: four restarts, each of
+# two processes that import torch, took more than 180 s on CI's busy 2 cores. pytest.ini's 600 s is the backstop.
 @pytest.mark.slow
-@pytest.mark.timeout(180)
 def test_a_worker_killed_at_four_points_the_job_still_ends_bitwise_identical(tmp_path, reference):
     """Four SIGKILLs in one job (--max_restarts=4), each after a line that shows where training is. A kill lands a
     moment after its line, usually in the next epoch; wherever it lands, the end result must be the same."""
@@ -72,7 +73,6 @@ def test_a_worker_killed_at_four_points_the_job_still_ends_bitwise_identical(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
 def test_more_failures_than_max_restarts_stop_the_job_and_a_rerun_finishes_from_the_last_snapshot(tmp_path, reference):
     with launched(tmp_path, max_restarts=1) as job:
         job.wait_for(r"\] epoch 2 \| snapshot saved")

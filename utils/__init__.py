@@ -16,6 +16,7 @@ from utils.helpers import (being_written, configure_cpu_threads, dcp_folder, exi
                            step_snapshot, stop_if_unloadable, weights_digest, whole_snapshots, writable_path)
 from utils.launch import (attempt_store, collectives_timeout, mesh_with_timeout, rendezvous_port, said_once_per_node,
                           stop_on_signals)
+from utils.gpt import size_of
 from utils.memory import log_memory, log_slices
 from utils.snapshot_reader import snapshot_to_resume
 from utils.metrics import log_rank_metrics
@@ -53,5 +54,5 @@ __all__ = ["attempt_store", "being_written", "configure_cpu_threads", "dcp_folde
            "positive_int", "positive_number", "probability", "quiet_torchft", "reason", "remove", "rendezvous_port",
            "replacing", "require_a_gpu_each", "require_epochs_left", "require_same_arguments", "require_same_start",
            "require_torch_for_fsdp", "require_torchrun", "require_tp_fits", "require_written_by", "said_once_per_node",
-           "SEED", "snapshot_folder", "snapshot_to_resume", "step_snapshot", "stop_if_unloadable", "stop_on_signals",
+           "SEED", "size_of", "snapshot_folder", "snapshot_to_resume", "step_snapshot", "stop_if_unloadable", "stop_on_signals",
            "weights_digest", "whole_snapshots", "WORKLOADS", "writable_path"]

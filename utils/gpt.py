@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from utils.mlp import MLP
+from utils.moe import MoE
 from utils.workload import Workload
 
 TEXT_VARIABLE = "TUTORIAL_GPT_TEXT"  # a UTF-8 text file to train on instead of Python's help pages
@@ -223,17 +225,6 @@ class CausalSelfAttention(nn.Module):
         return self.dropout(self.proj(y))
 
 
-class MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x):
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
-
-
 class Block(nn.Module):
     """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
@@ -242,8 +233,7 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(config.n_embd)
         self.attention = CausalSelfAttention(config)
         self.norm2 = nn.LayerNorm(config.n_embd)
-        if config.experts:  # the mixture-of-experts GPT (utils/moe.py imports this module: imported here)
-            from utils.moe import MoE
+        if config.experts:  # the mixture-of-experts GPT
             self.mlp = MoE(config)
         else:
             self.mlp = MLP(config)

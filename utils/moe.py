@@ -5,7 +5,7 @@ every layer's experts, and the tokens travel to the ranks of their experts and b
     split_experts(model, ep_group, batch)   keep this rank's experts of every layer; the rest are reached by all-to-all
     balance_loss(model)                     the load-balancing auxiliary loss of the last forward, summed over layers
     routing_stats(model)                    tokens per expert, aux loss, bytes moved, tokens dropped since the last call
-    require_ep_fits(args, world_size)       one line when --ep or --top_k cannot split the job
+    require_ep_fits(ep, top_k, experts, world_size)  one line when --ep or --top_k cannot split the job
     within_capacity(chosen, E, capacity)    the assignments experts keep under a capacity: first choices first
 
 No token is dropped unless a capacity is set (capacity_factor > 0), and then only in training: every expert takes at
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from utils.gpt import MLP, size_of
+from utils.mlp import MLP
 
 
 class Experts(nn.ModuleDict):
@@ -207,17 +207,16 @@ def describe(stats, steps):
     return line + (f" | dropped {stats['dropped']:.1%}" if stats["dropped"] else "")
 
 
-def require_ep_fits(args, world_size):
+def require_ep_fits(ep, top_k, experts, world_size):
     """Stop with one line, before any process group forms, when expert_parallel.py's --ep or --top_k cannot split the
-    job: the processes must form whole ep groups, each rank must hold as many experts as the others, and a token
-    cannot go to more experts than there are."""
-    experts = size_of(args.workload).experts
-    if world_size % args.ep or experts % args.ep:
-        raise SystemExit(f"error: --ep {args.ep} must divide the number of processes ({world_size}) and of experts "
-                         f"({experts}): the processes form groups of {args.ep}, each holding {experts}/{args.ep} of "
+    job of `experts` experts a layer: the processes must form whole ep groups, each rank must hold as many experts as
+    the others, and a token cannot go to more experts than there are."""
+    if world_size % ep or experts % ep:
+        raise SystemExit(f"error: --ep {ep} must divide the number of processes ({world_size}) and of experts "
+                         f"({experts}): the processes form groups of {ep}, each holding {experts}/{ep} of "
                          "every layer's experts")
-    if args.top_k > experts:
-        raise SystemExit(f"error: --top_k {args.top_k} is more than the {experts} experts a token can go to")
+    if top_k > experts:
+        raise SystemExit(f"error: --top_k {top_k} is more than the {experts} experts a token can go to")
 
 
 def whole_grad_norm(model, ep_group):
