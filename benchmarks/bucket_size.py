@@ -4,7 +4,7 @@
     python benchmarks/bucket_size.py                                   # --bucket_mb 0 0.001 0.1 0.2 1
     python benchmarks/bucket_size.py --bucket_mb 0 0.1 1 --steps 40 --rounds 5
 
-Two processes (one CPU thread each, gloo) train exercises/7_ddp_by_hand/solution.py's MLP with its HandDDP, each
+Two processes (one CPU thread each, gloo) train exercises/07_ddp_by_hand/solution.py's MLP with its HandDDP, each
 bucket size in turn for --steps optimizer steps, round after round (the order reversed every other round, so that
 the load on the machine drifts against no one; round 0 warms up). The job runner's recorder notes every all-reduce
 (bytes, start), every wait(), each backward and each optimizer step (tools/jobs/recorder: collectives.jsonl). Per

@@ -45,9 +45,9 @@ from tools.jobs import PYTHON, free_port, run, saved_name, shown, torchrun, torc
 from tools.jobs.output import epoch_losses  # noqa: E402
 from utils import make_workload  # noqa: E402
 
-EXERCISES = {1: "1_ddp", 2: "2_survive_a_kill", 3: "3_two_nodes", 4: "4_grad_accum",  # their folders in exercises/
-             5: "5_tensor_parallel", 6: "6_context_parallel", 7: "7_ddp_by_hand", 8: "8_zero_by_hand",
-             9: "9_fsdp_choices", 10: "10_pipeline_by_hand", 11: "11_expert_dispatch", 12: "12_hang_clinic",
+EXERCISES = {1: "01_ddp", 2: "02_survive_a_kill", 3: "03_two_nodes", 4: "04_grad_accum",  # their folders in exercises/
+             5: "05_tensor_parallel", 6: "06_context_parallel", 7: "07_ddp_by_hand", 8: "08_zero_by_hand",
+             9: "09_fsdp_choices", 10: "10_pipeline_by_hand", 11: "11_expert_dispatch", 12: "12_hang_clinic",
              13: "13_plan_a_layout"}
 # The track inside the machinery (7-12), and planning a layout (13): each exercise's checker is a module of
 # exercises/inside/, by this name.

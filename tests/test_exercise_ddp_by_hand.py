@@ -14,7 +14,7 @@ from tools.jobs import REPO
 
 pytestmark = CHECKING  # the slow tests run checks
 
-SOLUTION = "exercises/7_ddp_by_hand/solution.py"
+SOLUTION = "exercises/07_ddp_by_hand/solution.py"
 # A made-up model: 5 gradients whose buckets hold 100, 200 and 50 bytes (350 in all); in model.parameters() order they
 # would make buckets of 120, 200 and 30.
 EXPECTED = dict(buckets=[100, 200, 50], gradient_bytes=350, parameters=5, in_order=[120, 200, 30], first="0.weight")
@@ -243,7 +243,7 @@ def checked(path, tmp_path):
 
 @pytest.mark.slow
 def test_the_start_file_averages_nothing_and_the_checker_says_so(tmp_path):
-    [problem] = checked(REPO / "exercises/7_ddp_by_hand/start.py", tmp_path)
+    [problem] = checked(REPO / "exercises/07_ddp_by_hand/start.py", tmp_path)
     assert problem.startswith("rank 0 all-reduced no gradient in its step 0"), problem
 
 
@@ -309,7 +309,7 @@ def test_a_seeded_mistake_gets_its_own_verdict(edits, verdicts, tmp_path):
 ], ids=["right: a flat buffer, futures", "buckets in parameter order, a list never emptied",
         "sent after backward, divided in flight"])
 def test_a_program_written_independently_gets_the_verdicts_of_its_mistakes(part, verdicts, tmp_path):
-    problems = checked(written(tmp_path, "exercises/7_ddp_by_hand/start.py", part), tmp_path)
+    problems = checked(written(tmp_path, "exercises/07_ddp_by_hand/start.py", part), tmp_path)
     assert len(problems) == len(verdicts), problems
     for problem, verdict in zip(problems, verdicts):
         assert re.match(verdict, problem), (verdict, problems)

@@ -14,7 +14,7 @@ from tools.jobs import REPO
 
 pytestmark = CHECKING  # the slow tests run checks
 
-SOLUTION = "exercises/9_fsdp_choices/solution.py"
+SOLUTION = "exercises/09_fsdp_choices/solution.py"
 # A made-up model: the root's own parameters 10 bytes, 4 blocks of 100: the bound is 10 + 2 * 100.
 FACTS = dict(blocks=4, block=100, root_own=10, whole=410, bound=210, gathers=9, root_names=["embed", "head", "norm"])
 ROOT_PARAMS = ["embed.weight", "norm.weight", "head.weight"]
@@ -186,7 +186,7 @@ def checked(path, tmp_path):
 
 @pytest.mark.slow
 def test_the_start_file_gathers_the_whole_model_and_the_checker_says_so(tmp_path):
-    [problem] = checked(REPO / "exercises/9_fsdp_choices/start.py", tmp_path)
+    [problem] = checked(REPO / "exercises/09_fsdp_choices/start.py", tmp_path)
     assert re.match(r"rank 0 held parameters whole at once: ([\d.]+) KiB in forward and \1 KiB in backward, over "
                     r"the bound of [\d.]+ KiB \(.*the whole model is \1 KiB\): the root is one unit that holds the "
                     r"parameters of blocks 0, 1, 2 and 3", problem), problem
@@ -244,7 +244,7 @@ def test_a_seeded_mistake_gets_its_own_verdict(edits, verdicts, tmp_path):
         r"bound .*: `blocks\.3` is not a unit of its own: its parameters \([\d.]+ KiB\) went into the root's unit"]),
 ], ids=["right: blocks by type", "the last block in the root's unit"])
 def test_a_program_written_independently_gets_the_verdicts_of_its_mistakes(part, verdicts, tmp_path):
-    problems = checked(written(tmp_path, "exercises/9_fsdp_choices/start.py", part), tmp_path)
+    problems = checked(written(tmp_path, "exercises/09_fsdp_choices/start.py", part), tmp_path)
     assert len(problems) == len(verdicts), problems
     for problem, verdict in zip(problems, verdicts):
         assert re.match(verdict, problem), (verdict, problems)

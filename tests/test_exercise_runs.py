@@ -30,7 +30,7 @@ def test_starting_file_1_runs_in_one_process_and_the_checker_says_so(tmp_path):
     job = run([PYTHON, REPO / "exercises/check.py", 1, REPO / STARTS[1]], cwd=tmp_path, check=False)
     assert job.returncode == 1, job.output
     assert "✗ only one process trained: start 2 processes (mp.spawn(" in job.output
-    assert "1 problem(s). Hints: exercises/1_ddp/hints.md" in job.output
+    assert "1 problem(s). Hints: exercises/01_ddp/hints.md" in job.output
 
 
 def test_starting_file_2_starts_over_after_the_kill(tmp_path):

@@ -16,7 +16,7 @@ from tools.jobs import REPO
 pytestmark = CHECKING  # the slow tests run checks
 
 STEPS = 40
-SOLUTION = "exercises/8_zero_by_hand/solution.py"
+SOLUTION = "exercises/08_zero_by_hand/solution.py"
 NUMEL, SHARD = 339, 170  # the exercise's model: 339 parameters, two shards of 170 (one zero of padding)
 
 
@@ -233,7 +233,7 @@ def checked(path, tmp_path, stages=(1, 2)):
 
 @pytest.mark.slow
 def test_the_starting_file_trains_right_but_keeps_a_whole_adamw_and_every_gradient(tmp_path):
-    state, gradients = checked(REPO / "exercises/8_zero_by_hand/start.py", tmp_path)
+    state, gradients = checked(REPO / "exercises/08_zero_by_hand/start.py", tmp_path)
     assert state.startswith("with --stage 1 and with --stage 2, ranks 0 and 1 each held 2,712 bytes of optimizer "
                             "state as they stepped (the whole model's"), state
     # Three copies of the model's 339 gradients (1,356 bytes): the parameters' .grad, the flat vector all_reduce
@@ -290,7 +290,7 @@ def test_a_flat_vector_not_padded_is_named_when_it_crashes(tmp_path):
         r"all_reduce at line \d+ \(in step: `dist\.all_reduce\(self\.flat_grad\)`\), still held"]),
 ], ids=["right: list forms, chunks", "all-reduced into a buffer kept"])
 def test_a_program_written_independently_gets_the_verdicts_of_its_mistakes(part, verdicts, tmp_path):
-    problems = checked(written(tmp_path, "exercises/8_zero_by_hand/start.py", part), tmp_path)
+    problems = checked(written(tmp_path, "exercises/08_zero_by_hand/start.py", part), tmp_path)
     assert len(problems) == len(verdicts), problems
     for problem, verdict in zip(problems, verdicts):
         assert re.match(verdict, problem), (verdict, problems)

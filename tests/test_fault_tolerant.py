@@ -30,13 +30,14 @@ STOPPED_S = 5  # how long a rank is stopped (SIGSTOP) to play a machine that han
 
 
 def groups_job(cwd, epochs, save_every=1, *args, nproc=1, min_replicas=1, restarts=0, node_env=None, record=False,
-               timeout=TIMEOUT):
-    """Start a lighthouse and two replica groups of fault_tolerant.py (nproc ranks each): a running job."""
+               timeout=TIMEOUT, logs=None):
+    """Start a lighthouse and two replica groups of fault_tolerant.py (nproc ranks each): a running job (its logs in
+    `logs`, else in `cwd`)."""
     port = free_port()
     commands = [lighthouse(port, min_replicas),
                 *replica_groups("fault_tolerant.py", epochs, save_every, "--timeout", timeout, *args, port=port,
                                 nproc=nproc, launcher_args=[f"--max_restarts={restarts}"])]
-    return start(*commands, cwd=cwd, services=1, node_env=node_env, record=record)
+    return start(*commands, cwd=cwd, services=1, node_env=node_env, record=record, logs=logs)
 
 
 def finished(job, timeout=240):
@@ -53,6 +54,23 @@ def until_step(job, group, step, timeout=120):
     while seen < step:
         match = job.wait_for(output.GROUP_STEP, timeout=timeout)
         seen = int(match["step"]) if match["group"] == str(group) else seen
+    job.new_lines()
+
+
+def all_trained_together(job, groups, step, timeout=180):
+    """Follow the job until each of its `groups` groups has printed a line of its own for `step` or later with all
+    of them as participants. One group's such line is not enough: a group that started late (a busy machine) heals
+    to the job's step as it joins, and its first line, for that very step, may come after the others'."""
+    together, deadline = set(), time.monotonic() + timeout
+    while len(together) < groups:
+        try:
+            match = job.wait_for(output.GROUP_STEP, timeout=deadline - time.monotonic())
+        except AssertionError as error:
+            missing = sorted(set(map(str, range(groups))) - together)
+            raise AssertionError(f"group(s) {', '.join(missing)} printed no step from {step} on with all {groups} "
+                                 f"groups within {timeout} s: {error}") from None
+        if int(match["step"]) >= step and match["participants"] == str(groups):
+            together.add(match["group"])
     job.new_lines()
 
 
@@ -146,8 +164,9 @@ def killed(tmp_path_factory):
     """Two groups of one rank, a snapshot every 2 epochs (64 steps), a lighthouse that lets one group go on alone;
     group 1's worker SIGKILLed once it has saved a snapshot and both have trained 100 steps together, and its torchrun
     starts it again (--max_restarts=1). The job has more epochs than it needs: it is stopped once group 1, back, has
-    trained 30 steps with group 0 (on a busy machine the restart alone can take 10 s). (job, the step of the kill, the
-    heal's step)"""
+    trained 30 steps with group 0 (on a busy machine the restart alone can take 10 s); then both groups are killed at
+    once, their whole process trees (their machines gone), leaving their snapshots in the job's folder (job.cwd).
+    (job, the step of the kill, the heal's step)"""
     with groups_job(tmp_path_factory.mktemp("killed"), 1000, 2, restarts=1) as job:
         job.wait_for(r"\[group 1 .*\] epoch \d+ \| snapshot saved", timeout=120)  # something of its own to load
         killed = kill_when_training_together(job, steps=100)
@@ -196,7 +215,7 @@ def test_an_hsdp_group_that_loses_one_rank_comes_back_whole_with_the_others_shar
     shards from the same rank of group 0. The job (100 epochs) is stopped once group 1 has trained 20 steps after its
     heal."""
     with groups_job(tmp_path, 100, 10, nproc=2, restarts=1) as job:
-        until_step(job, 1, 30)
+        all_trained_together(job, groups=2, step=30)  # group 1's step 30 alone: group 0 may not have joined yet
         stopped = job.kill_worker(rank=1, node=2, nproc=2, sig=signal.SIGSTOP)
         stopped_at = job.seconds()
         while job.seconds() < stopped_at + STOPPED_S:
@@ -303,12 +322,20 @@ def test_what_no_restart_fixes_is_said_once_and_a_group_alone_neither_leads_nor_
 
 @pytest.mark.slow
 def test_the_lighthouse_killed_ends_every_group_with_one_line_within_the_timeout(tmp_path):
+    """The lighthouse killed once both groups trained a step together: each group's one line comes within twice
+    --timeout of the kill (a quorum asked for just before it gives up --timeout later; 8.0-8.3 s at load 15-22). The
+    worker ends with its line; torchrun then ends in its own time, bounded by the wait: 12 s later at load 20 (a
+    torchrun whose one worker exits at once takes 9 s to end at load 18), which a bound of twice --timeout on the
+    whole cut short. (Killed once group 1 alone had trained, it found group 0 still starting: group 0 reached for the
+    lighthouse after the kill, and said so 12.8 s after it, at load 15.)"""
     with groups_job(tmp_path, 1000, 100, timeout=8) as job:
-        job.wait_for(r"\[group 1 .*\] step \d+ \|", timeout=180)
+        all_trained_together(job, groups=2, step=0)
         job.kill_node(0)
         killed_at = job.seconds()
         codes = job.wait(60)
-    assert codes[1:] == [1, 1] and job.seconds() - killed_at < 2 * 8, (codes, job.seconds() - killed_at)
+    said = [seconds - killed_at for seconds, node, line in job.timeline if node in (1, 2) and output.ERROR.match(line)]
+    assert codes[1:] == [1, 1], f"exit codes {codes}: a group did not end by itself within 60 s of the kill"
+    assert len(said) == 2 and max(said) < 2 * 8, f"the groups' lines came {said} s after the kill"
     # A quorum asked for before the kill times out; one asked for after it finds nothing to connect to.
     gone = re.compile(r"error: rank 0: (?:no quorum within --timeout 8 s: the lighthouse is gone or cannot be reached; "
                       r"the snapshot on disk is kept, and the same commands resume from it once it runs|nothing answers "
@@ -322,16 +349,15 @@ def test_the_lighthouse_killed_ends_every_group_with_one_line_within_the_timeout
 
 
 @pytest.mark.slow
-def test_every_group_gone_resumes_from_the_snapshots_on_disk_with_nothing_lost(tmp_path):
-    """Both groups killed (their machines gone) once each has saved a snapshot (every 2 epochs; a group that joined
-    late saves from its first epoch's end on); started again together (the lighthouse waits for both), the job goes on
-    from the newest snapshot: the group with an older one heals. The second job is stopped 20 steps on."""
-    with groups_job(tmp_path, 1000, 2) as first:
-        for group in (0, 1):
-            first.wait_for(rf"\[group {group} .*\] epoch \d+ \| snapshot saved", timeout=180)
-        first.kill_node(1)
-        first.kill_node(2)
-    with groups_job(tmp_path, 1000, 2, min_replicas=2) as again:
+def test_every_group_gone_resumes_from_the_snapshots_on_disk_with_nothing_lost(killed, tmp_path):
+    """Both groups of the `killed` job killed at once (their machines gone), each with a snapshot of its own (every 2
+    epochs: 64 steps; both trained 130 steps or more, group 1 restarted on the way), started again together (the
+    lighthouse waits for both): the job goes on from the newest snapshot, and the group with an older one heals. The
+    second job is stopped 20 steps on."""
+    first, *_ = killed
+    for group in (0, 1):
+        assert re.search(rf"\[group {group} .*\] epoch \d+ \| snapshot saved", first.output), f"no snapshot of {group}"
+    with groups_job(first.cwd, 1000, 2, min_replicas=2, logs=tmp_path) as again:
         first_step = int(again.wait_for(output.GROUP_STEP, timeout=180)["step"])
         until_step(again, 0, first_step + 20)
         until_step(again, 1, first_step + 20)
@@ -359,15 +385,15 @@ def test_groups_back_without_the_jobs_steps_wait_for_it_and_a_group_back_after_t
     resumed, joins them and they heal from it. (2) Group 1 SIGKILLed again while its torchrun is stopped, so that it
     comes back after groups 0 and 2 have finished: it finds the job's result beside the snapshots, stops with one line
     (exit 0), and the result stays as it was. --timeout 90: group 0 hangs while the two restart (up to a minute on a
-    busy machine) and must not give up its quorum meanwhile."""
+    busy machine) and must not give up its quorum meanwhile. The groups are held at their Managers until all three
+    are there (on a busy machine their starts are 5-12 s apart, the job's 66 steps take 20 s, and a group that joins
+    late heals to the job's step), and the kills wait for a step each of them trained with the other two."""
     port = free_port()
     commands = replica_groups("fault_tolerant.py", 3, 1000, "--timeout", 90, port=port, groups=3,
                               launcher_args=["--max_restarts=2"])
-    with start(lighthouse(port), *commands, cwd=tmp_path, services=1) as job:
-        step = -1
-        while step < 20:
-            match = job.wait_for(output.GROUP_STEP, timeout=180)
-            step = int(match["step"]) if match["participants"] == "3" else step
+    with start(lighthouse(port), *commands, cwd=tmp_path, services=1, hold=True) as job:
+        job.release(processes=3)
+        all_trained_together(job, groups=3, step=20)
         job.kill_worker(rank=0, node=2)
         job.kill_worker(rank=0, node=3)
         hung = job.kill_worker(rank=0, node=1, sig=signal.SIGSTOP)
@@ -384,7 +410,9 @@ def test_groups_back_without_the_jobs_steps_wait_for_it_and_a_group_back_after_t
         until_step(job, 1, max(healed.values()) + 5)
         os.kill(job.procs[2].pid, signal.SIGSTOP)  # group 1's torchrun: it restarts the group only once resumed
         job.kill_worker(rank=0, node=2, restart=1)
+        deadline = time.monotonic() + 240
         while job.procs[1].poll() is None or job.procs[3].poll() is None:
+            assert time.monotonic() < deadline, f"groups 0 and 2 did not finish the job within 240 s: {job.poll()}"
             job.new_lines()
             time.sleep(0.1)
         result = (tmp_path / "ft_model_full.pt").read_bytes()
@@ -392,10 +420,14 @@ def test_groups_back_without_the_jobs_steps_wait_for_it_and_a_group_back_after_t
         codes = job.wait(180)
     for node in (2, 3):
         # Its attempts, split where torchrun reports the worker SIGKILLed: the steps it trained, and those back.
-        before, back = job.node_output(node).split("failed (exitcode: -9)")[:2]
-        reached = max(int(match["step"]) for match in output.GROUP_STEP.finditer(before))
+        attempts = job.node_output(node).split("failed (exitcode: -9)")
+        assert len(attempts) > 1, f"group {node - 1}'s torchrun never reported its worker killed: {attempts[0][-2000:]}"
+        before, back = attempts[:2]
+        reached = [int(match["step"]) for match in output.GROUP_STEP.finditer(before)]
+        assert reached, f"group {node - 1} printed no step before its kill, though the test waited for one: {before}"
         trained = [int(match["step"]) for match in output.GROUP_STEP.finditer(back)]
-        assert trained and min(trained) > reached, f"group {node - 1} came back and trained without the job's steps"
+        assert trained, f"group {node - 1} came back and never trained a step: {back[-2000:]}"
+        assert min(trained) > max(reached), f"group {node - 1} came back and trained without the job's steps"
         assert "no group of this quorum holds the job's steps" in back, back[-2000:]
     assert min(healed.values()) >= 20, healed
     assert codes[1:] == [0, 0, 0], (codes, job.output[-3000:])

@@ -76,7 +76,7 @@ def test_every_page_the_code_cites_exists():
 
 
 def test_a_file_named_but_missing_is_found():
-    files = ["utils/loop.py", "notebooks/06_gpt.ipynb", "exercises/1_ddp/hints.md"]
+    files = ["utils/loop.py", "notebooks/06_gpt.ipynb", "exercises/01_ddp/hints.md"]
     text = "`utils/loop.py`, `06_gpt.ipynb`, `exercises/*/hints.md`, `utils/nothing.py`, `runs/try1/rank0.jsonl`"
     assert doclinks.missing_files(text, files) == ["utils/nothing.py"]
     assert doclinks.missing_files("see REPORT.md and docs/gpt.md", ["docs/gpt.md"], doclinks.NAMED_IN_CODE) == \

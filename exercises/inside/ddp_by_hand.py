@@ -29,7 +29,7 @@ from exercises.judging import (COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, ex
                                script_module)
 from tools.jobs import REPO, run, shown, torchrun
 
-SOLUTION = REPO / "exercises" / "7_ddp_by_hand" / "solution.py"
+SOLUTION = REPO / "exercises" / "07_ddp_by_hand" / "solution.py"
 BUCKET_MB = 0.1  # buckets of 0.1 MiB: the MLP's 8 gradients (466 KB) make 3 of them
 EPOCHS, BATCH_SIZE = 2, 16  # 40 optimizer steps of 16 samples per rank
 SAVED = "hand_ddp.pt"

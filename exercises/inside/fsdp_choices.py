@@ -26,7 +26,7 @@ from exercises.judging import (COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, ex
                                script_module)
 from tools.jobs import REPO, run, shown, torchrun
 
-SOLUTION = REPO / "exercises" / "9_fsdp_choices" / "solution.py"
+SOLUTION = REPO / "exercises" / "09_fsdp_choices" / "solution.py"
 SAVED = "fsdp_weights.pt"  # the script's default --weights, in its working folder
 LOSS_TOLERANCE = 1e-4  # a reduce-scatter's and one process's sums round apart by ~1e-7; a wrong gradient is far off
 WEIGHT_TOLERANCE = 1e-4

@@ -27,7 +27,7 @@ from exercises.judging import (COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, ex
                                script_module)
 from tools.jobs import REPO, shown, start, torchrun
 
-SOLUTION = REPO / "exercises/8_zero_by_hand/solution.py"
+SOLUTION = REPO / "exercises/08_zero_by_hand/solution.py"
 STEPS = 40
 STAGES = (1, 2)
 WEIGHTS = "weights.pt"

@@ -18,8 +18,8 @@ and each pass of a pipeline stage (job.records("pipeline.jsonl"), read by tools/
 record_steps=True adds every optimizer step (its learning rate, and the gradient all-reduces DDP ran for it);
 record_collectives=True every collective a process called, when it waited for it, each backward and optimizer step
 (job.records("collectives.jsonl"): what the workshop's build-it-yourself exercises are judged by); kill_at,
-kill_at_step, skip_all_reduce and stall_init inject faults through it, and slow_save makes every save slower (its
-docstring says how).
+kill_at_step, skip_all_reduce and stall_init inject faults through it, slow_save makes every save slower (its
+docstring says how), and hold=True holds step 13's replica groups before they meet, until job.release().
 
 Shared runs: run(..., shared=True) in a test session (the suite sets $JOB_SHARED_DIR for it) runs a job that several
 tests and notebooks ask for once: the first to ask runs it in a folder of the session's, the others wait for it and
@@ -144,7 +144,7 @@ def machine_summary():
 
 
 def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_reduce=None, stall_init=None,
-                record_steps=False, slow_save=None, kill_at_step=None, record_collectives=False):
+                record_steps=False, slow_save=None, kill_at_step=None, record_collectives=False, hold=None):
     """The environment of a job's processes (see the module's docstring); `extra` last (a value None removes a
     variable; a PYTHONPATH in it goes before the repository's)."""
     extra = dict(extra or {})
@@ -154,7 +154,7 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU jobs stay CPU jobs on a machine with GPUs
-    injected = kill_at or kill_at_step or skip_all_reduce or stall_init is not None or slow_save
+    injected = kill_at or kill_at_step or skip_all_reduce or stall_init is not None or slow_save or hold
     paths = [str(RECORDER)] if record_dir or injected else []
     paths += [str(extra.pop("PYTHONPATH", "")), str(REPO), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
@@ -174,6 +174,8 @@ def environment(extra=None, gpu=False, record_dir=None, kill_at=None, skip_all_r
         env["JOB_SKIP_ALL_REDUCE"] = ":".join(map(str, skip_all_reduce))
     if stall_init is not None:
         env["JOB_STALL_INIT"] = str(stall_init)
+    if hold:
+        env["JOB_HOLD"] = str(hold)
     for name, value in extra.items():
         if value is None:
             env.pop(name, None)
@@ -191,13 +193,14 @@ class Job:
     op, each backward and optimizer step (the workshop's build-it-yourself exercises); record_steps (implies record):
     every optimizer step's learning rate and gradient
     all-reduces too; services: how many of the first commands serve the others and do not end by themselves (step 13's
-    lighthouse): the job ends when the others have, and a service still serving then counts as exit code 0. `limit`:
-    the seconds wait() gave it (None until then).
+    lighthouse): the job ends when the others have, and a service still serving then counts as exit code 0. hold: each
+    process that starts a torchft Manager (step 13's groups) waits there until release(). `limit`: the seconds wait()
+    gave it (None until then).
     """
 
     def __init__(self, *commands, cwd, env=None, node_env=None, gpu=False, record=False, kill_at=None,
                  skip_all_reduce=None, stall_init=None, slow_save=None, logs=None, record_steps=False,
-                 kill_at_step=None, services=0, record_collectives=False):
+                 kill_at_step=None, services=0, record_collectives=False, hold=False):
         self.services = services
         self.cwds = [Path(folder) for folder in (cwd if isinstance(cwd, (list, tuple)) else [cwd] * len(commands))]
         self.limit = None
@@ -205,8 +208,11 @@ class Job:
         self.logs_dir = Path(logs or self.cwds[0])
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.recorded = record = record or record_steps or record_collectives
+        self.held = self.logs_dir / "held" if hold else None
+        if hold:
+            self.held.mkdir()
         env = environment(env, gpu, self.logs_dir if record else None, kill_at, skip_all_reduce, stall_init,
-                          record_steps, slow_save, kill_at_step, record_collectives)
+                          record_steps, slow_save, kill_at_step, record_collectives, self.held)
         self.logs = [self.logs_dir / f"node{node}.log" for node in range(len(commands))]
         self.began, self.timeline, self.codes = time.monotonic(), [], None
         self._offsets, self._queue = [0] * len(commands), []
@@ -301,6 +307,23 @@ class Job:
             nproc = int(next(part.split("=")[1] for part in self.commands[node]
                              if part.startswith("--nproc_per_node=")))
         return torchrun_workers(self.procs[node].pid, nproc, restart, timeout)
+
+    def release(self, processes, timeout=300):
+        """In a job started with hold=True: wait until `processes` processes wait to start their torchft Manager (one
+        a replica group of one rank), then let them all go on at once. Fails naming how many came if the job ends or
+        `timeout` s pass first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            waiting = len(list(self.held.glob("held-*")))
+            if waiting >= processes:
+                break
+            if not self.running() or time.monotonic() > deadline:
+                why = f"ended with exit codes {self.poll()}" if not self.running() else f"ran {timeout} s"
+                raise AssertionError(f"the job {why} with {waiting} of {processes} processes at their torchft Manager; "
+                                     f"its output ends:\n{self.output[-3000:]}")
+            time.sleep(0.05)
+        (self.held / "go").touch()
+        self.note(f"{processes} processes released")
 
     def kill_worker(self, rank, restart=0, node=0, nproc=None, sig=signal.SIGKILL):
         """Send `sig` (SIGKILL: no handler, no cleanup) to the worker of `rank` in attempt `restart`; its pid."""

@@ -97,7 +97,13 @@ changed; without the variables nothing happens.
 - JOB_STALL_INIT=`RANK`: the process of that global rank never reaches init_process_group (it sleeps instead): a
   rank stuck before the process group forms, or one whose address cannot be reached. `RANK:SECONDS`: it reaches it
   that many seconds late, as a rank started last on a busy machine does.
+- JOB_HOLD=`FOLDER`: each process that constructs a torchft Manager (a replica group of step 13) first writes
+  FOLDER/held-PID, then waits (at most 600 s) until FOLDER/go exists, and goes on: the groups of a job start to train
+  at once however far apart their starts were (tools/jobs' Job.release() writes it once they all wait). Once it
+  exists, a process restarted later goes on at once.
 """
+import importlib.abc
+import importlib.util
 import json
 import os
 import sys
@@ -111,6 +117,7 @@ KILL_AT_STEP = os.environ.get("JOB_KILL_AT_STEP")
 SKIP_ALL_REDUCE = os.environ.get("JOB_SKIP_ALL_REDUCE")
 STALL_INIT = os.environ.get("JOB_STALL_INIT")
 RECORD_COLLECTIVES = RECORD_DIR and os.environ.get("JOB_RECORD_COLLECTIVES")
+HOLD = os.environ.get("JOB_HOLD")
 
 
 def _rank():
@@ -139,6 +146,27 @@ def _stack():
     return [[frame.filename, frame.lineno, frame.name] for frame in traceback.extract_stack()[:-2]
             if not frame.filename.startswith(installed) and "site-packages" not in frame.filename
             and not frame.filename.startswith("<")]
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches the module `name` as it is imported, if it ever is, before anything imports names from it."""
+
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, name, path, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        execute = spec.loader.exec_module
+
+        def execute_and_patch(module):
+            execute(module)
+            self.patch(module)
+
+        spec.loader.exec_module = execute_and_patch
+        return spec
 
 
 if RECORD_DIR or SLOW_SAVE:
@@ -400,9 +428,6 @@ if RECORD_DIR or KILL_AT:
         atexit.register(_noting_exit)
 
 if RECORD_DIR:
-    import importlib.abc
-    import importlib.util
-
     def _record_chunks(stage_module):
         """Wrap the pipeline stage's forward_one_chunk and backward_one_chunk, which every schedule calls once per
         micro-batch and pass."""
@@ -433,26 +458,6 @@ if RECORD_DIR:
             return result
 
         base.forward_one_chunk, base.backward_one_chunk = recording_forward, recording_backward
-
-    class _PatchOnImport(importlib.abc.MetaPathFinder):
-        """Patches the module `name` as it is imported, if it ever is, before anything imports names from it."""
-
-        def __init__(self, name, patch):
-            self.name, self.patch = name, patch
-
-        def find_spec(self, name, path, target=None):
-            if name != self.name:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            execute = spec.loader.exec_module
-
-            def execute_and_patch(module):
-                execute(module)
-                self.patch(module)
-
-            spec.loader.exec_module = execute_and_patch
-            return spec
 
     sys.meta_path.insert(0, _PatchOnImport("torch.distributed.pipelining.stage", _record_chunks))
 
@@ -599,6 +604,23 @@ if STALL_INIT:
         return _init_process_group(*args, **kwargs)
 
     dist.init_process_group = _stalling_init_process_group
+
+if HOLD:
+    def _hold_managers(manager_module):
+        """Hold each Manager's construction until the job's go: before it, the group neither heartbeats nor asks the
+        lighthouse for a quorum, so no group trains before the others are there."""
+        manager_init = manager_module.Manager.__init__
+
+        def held_init(self, *args, **kwargs):
+            open(os.path.join(HOLD, f"held-{os.getpid()}"), "w").close()
+            deadline = time.monotonic() + 600  # bounded all the same
+            while not os.path.exists(os.path.join(HOLD, "go")) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            manager_init(self, *args, **kwargs)
+
+        manager_module.Manager.__init__ = held_init
+
+    sys.meta_path.insert(0, _PatchOnImport("torchft.manager", _hold_managers))
 
 if RECORD_COLLECTIVES:
     import threading

@@ -1,7 +1,7 @@
 """Exercise 5 - 2D parallelism (FSDP x TP): which ranks must train on the same data, and which on their own part of it.
 
 Starting file: tensor_parallel.py (step 7) with the data split taken out of prepare_dataloader; the TODOs say what goes
-back. Check it with `python exercises/check.py 5 my_2d.py`; hints in exercises/5_tensor_parallel/hints.md.
+back. Check it with `python exercises/check.py 5 my_2d.py`; hints in exercises/05_tensor_parallel/hints.md.
 
     torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job1 --rdzv_backend=c10d --rdzv_endpoint=HEAD:29500 \
         tensor_parallel.py 50 10 --tp 8 --verbose   # the same command on every node; HEAD: the first node

@@ -8,7 +8,7 @@ them until its backward is done. Step 5 (fsdp.py) makes each block a unit, then 
 
 This script trains a residual MLP of 4 blocks with FSDP2 on 2 CPU ranks (torch 2.9 or newer), 32 steps. It runs as
 it is, but its shard(model, mesh) makes the root the only unit: every rank gathers the whole model at once, the memory
-FSDP is there to save. Work on a copy and write shard() (the TODO); hints in exercises/9_fsdp_choices/hints.md. Run
+FSDP is there to save. Work on a copy and write shard() (the TODO); hints in exercises/09_fsdp_choices/hints.md. Run
 and check it with
     torchrun --standalone --nproc_per_node=2 my_fsdp.py        # in the repository root: `from utils import ...`
     python exercises/check.py 9 my_fsdp.py

@@ -7,7 +7,7 @@ Three stages, each closer to what DDP does inside backward():
   3. buckets: gradients packed, in the order they arrive, into flat buffers of --bucket_mb MiB, one all-reduce per
      bucket (--bucket_mb 0: a bucket per parameter).
 
-Work on a copy (cp exercises/7_ddp_by_hand/start.py my_ddp_by_hand.py) and follow the TODOs in HandDDP; run it
+Work on a copy (cp exercises/07_ddp_by_hand/start.py my_ddp_by_hand.py) and follow the TODOs in HandDDP; run it
 and check it with
     torchrun --standalone --nproc_per_node=2 my_ddp_by_hand.py --bucket_mb 0.1
     python exercises/check.py 7 my_ddp_by_hand.py
@@ -63,27 +63,43 @@ class HandDDP:
         self.bucket = []
         # The buckets sent and not yet waited for: (the all-reduce's Work, its flat buffer, its parameters).
         self.in_flight = []
-        # TODO 2: instead, register a hook on every parameter that backward calls as soon as its gradient is ready:
-        # parameter.register_post_accumulate_grad_hook(self._gradient_ready) (the list below serves stage 1 only)
-        self.parameters = list(model.parameters())
+        # Stage 2: each parameter calls back as soon as backward has accumulated its gradient, so its all-reduce can
+        # start while backward still computes the gradients of the layers before it.
+        for parameter in model.parameters():
+            parameter.register_post_accumulate_grad_hook(self._gradient_ready)
 
     def _gradient_ready(self, parameter):
-        # TODO 2: send this parameter's gradient now (a bucket of one: self.bucket = [parameter]; self._send_bucket())
-        # TODO 3: put it in self.bucket instead, and send the bucket once it holds self.bucket_bytes of gradients
-        raise NotImplementedError("HandDDP._gradient_ready: see TODO 2 and 3")
+        # Stage 3: gradients go into the bucket in the order they arrive (the last layer's first); a bucket leaves as
+        # soon as it holds --bucket_mb, so that a few large all-reduces replace many small ones.
+        self.bucket.append(parameter)
+        if sum(p.grad.numel() * p.grad.element_size() for p in self.bucket) >= self.bucket_bytes:
+            self._send_bucket()
 
     def _send_bucket(self):
-        # TODO 2: take the parameters out of self.bucket (and empty it), concatenate their gradients into one flat
-        # buffer, start dist.all_reduce(flat, async_op=True), and keep (work, flat, parameters) in self.in_flight
-        raise NotImplementedError("HandDDP._send_bucket: see TODO 2")
+        parameters, self.bucket = self.bucket, []
+        # One flat buffer per bucket: one all-reduce for all its gradients. async_op=True returns at once, so
+        # backward goes on computing while gloo sums the buffer in its own thread.
+        flat = torch.cat([p.grad.reshape(-1) for p in parameters])
+        work = dist.all_reduce(flat, async_op=True)
+        self.in_flight.append((work, flat, parameters))
 
     def finish(self):
         """After backward: send the bucket it left partly filled, wait for every bucket, and put the averages back
         in the gradients the optimizer reads."""
-        # TODO 1: all-reduce every gradient (dist.all_reduce(parameter.grad) for each of self.parameters) and
-        # divide it by the world size: all_reduce sums, and DDP's gradient is the mean over the ranks
-        # TODO 2: then, instead, send the bucket left partly filled, wait() for each Work in self.in_flight, divide
-        # its flat buffer by the world size and copy each slice back into its parameter's .grad; empty the list
+        if self.bucket:
+            self._send_bucket()
+        for work, flat, parameters in self.in_flight:
+            # Until wait() returns, the buffer may still be being summed: the step must not read it before.
+            work.wait()
+            # all_reduce sums: every rank's gradient is the mean loss's over its own batch, so their mean is the
+            # sum over the world size (the gradient of the mean loss over the global batch).
+            flat /= self.world_size
+            offset = 0
+            for parameter in parameters:
+                count = parameter.grad.numel()
+                parameter.grad.copy_(flat[offset:offset + count].view_as(parameter.grad))
+                offset += count
+        self.in_flight = []
 
 
 def main():

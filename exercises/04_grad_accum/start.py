@@ -1,10 +1,10 @@
-"""Exercise 6 - context parallelism: which chunks of a sequence each rank of a cp group holds, so that all do the same work.
+"""Exercise 4 - gradient accumulation: K micro-batches per optimizer step, and DDP all-reduces once per step.
 
-Starting file: context_parallel.py (step 9) with the chunk assignment taken out of Trainer.__init__; the TODOs say what
-goes back. Check it with `python exercises/check.py 6 my_cp.py`; hints in exercises/6_context_parallel/hints.md.
+Starting file: gpt.py (step 6) with the accumulation taken out of Trainer._run_batch; the TODOs say what goes back.
+Check it with `python exercises/check.py 4 my_accum.py`; hints in exercises/04_grad_accum/hints.md.
 
     torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job1 --rdzv_backend=c10d --rdzv_endpoint=HEAD:29500 \
-        context_parallel.py 50 10 --cp 2 --context 1024      # the same command on every node; HEAD: the first node
+        gpt.py 50 10 --precision bf16 --compile      # the same command on every node; HEAD: the first node
 """
 import argparse
 import contextlib
@@ -14,7 +14,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
@@ -23,8 +22,7 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
 from utils import require_written_by
-from utils import mesh_with_timeout, require_same_arguments, require_same_start
-from utils.context import require_cp_fits, split_sequence
+from utils import require_same_arguments, require_same_start
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, every_rank_rng_state, generate, mfu
 from utils.loop import set_rng_state
 
@@ -41,7 +39,7 @@ def ddp_setup(timeout_s):
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, loss_fn, device, save_every, snapshot_path, args, mesh):
+    def __init__(self, model, train_data, optimizer, loss_fn, device, save_every, snapshot_path, args):
         # LOCAL_RANK numbers the processes of this node (it picks the GPU); RANK numbers those of the whole job.
         self.local_rank = int(os.environ["LOCAL_RANK"])
         self.global_rank = int(os.environ["RANK"])
@@ -61,12 +59,7 @@ class Trainer:
         self.snapshot_path = snapshot_path
         self.epochs_run = self._load_snapshot() if os.path.exists(snapshot_path) else 0  # epochs already done
         require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
-        # TODO: the sequence is cut into chunks of equal length, and chunks_by_rank[r] lists those rank r of the cp
-        # TODO: group holds. Under the causal mask, does every rank do the same attention work with one piece each?
-        self.cp, cp = mesh["cp"].get_group(), mesh["cp"].size()
-        self.chunks_by_rank = [[r] for r in range(cp)]  # TODO: rank r holds the r-th of cp pieces
-        # DDP broadcasts rank 0's weights, then averages the gradients over all dp x cp ranks: the gradient of the
-        # batch's mean loss (a rank's hold, through the exchange, the other ranks' losses in its keys and values).
+        # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward().
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
         # Compile DDP(model), not DDP(compiled): dynamo cuts the graph at DDP's buckets, so all-reduces overlap.
         self.model = torch.compile(self.model) if args.compile else self.model
@@ -79,20 +72,20 @@ class Trainer:
             self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])
             self.scaler.load_state_dict(snapshot["SCALER_STATE"])
             set_rng_state(snapshot["RNG_STATES"], self.global_rank)  # this rank's dropout, where it left off
-            require_written_by("context_parallel.py", self.snapshot_path, snapshot)
+            require_written_by("gpt.py", self.snapshot_path, snapshot)
             epochs_run = snapshot["EPOCHS_RUN"]
         self.schedule.resume(self.scheduler.last_epoch, (self.args.total_epochs - epochs_run) * self.steps_per_epoch)
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
         return epochs_run
 
     def _run_batch(self, source, targets, micro_batches, last):
-        # All but the last micro-batch of a step run inside no_sync(), the forward too (DDP arms its all-reduce
-        # there): their gradients add up locally and backward all-reduces once per optimizer step, not K times.
-        with contextlib.nullcontext() if last else self.model.no_sync():
+        # TODO: this step takes `micro_batches` micro-batches (K); `last` is True for the last of them. Make their
+        # TODO: gradients add up locally, all-reduced by DDP once per optimizer step, not once per micro-batch.
+        with contextlib.nullcontext():  # TODO: all but the last micro-batch inside self.model.no_sync()
             with torch.autocast(self.device.type, self.dtype, enabled=self.dtype is not None):  # weights stay fp32
                 loss = self.loss_fn(self.model(source), targets)
-            self.scaler.scale(loss / micro_batches).backward()  # adds up to their mean, not K times it
-        if last:
+            self.scaler.scale(loss).backward()  # TODO: the step's gradient must be the mean over its micro-batches
+        if True:  # TODO: step (optimizer, scaler, schedule) and zero the gradients only after the last micro-batch
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16's scaled-up ones
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
             scale = self.scaler.get_scale()
@@ -109,8 +102,7 @@ class Trainer:
         totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
         batches, K = len(self.train_data), self.args.grad_accum
         for i, (source, targets) in enumerate(self.train_data):
-            # The ranks of a cp group read the same sequences; each keeps the tokens of its own chunks.
-            source, targets = source[:, self.positions].to(self.device), targets[:, self.positions].to(self.device)
+            source, targets = source.to(self.device), targets.to(self.device)
             micro_batches = min(K, batches - i // K * K)  # K, or what is left for the epoch's last step
             totals[0] += self._run_batch(source, targets, micro_batches, i % K + 1 == micro_batches) * len(source)
             totals[1] += len(source)
@@ -128,7 +120,7 @@ class Trainer:
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
         snapshot = dict(MODEL_STATE=self.model.module.state_dict(), OPTIMIZER_STATE=self.optimizer.state_dict(),
                         SCHEDULER_STATE=self.scheduler.state_dict(), SCALER_STATE=self.scaler.state_dict(),
-                        RNG_STATES=rng_states, EPOCHS_RUN=epoch + 1, STEP="context_parallel.py")
+                        RNG_STATES=rng_states, EPOCHS_RUN=epoch + 1, STEP="gpt.py")
         # Written to a file of its own, then renamed over the last one: a crash never leaves half a file.
         with replacing(self.snapshot_path) as tmp:
             torch.save(snapshot, tmp)
@@ -136,44 +128,34 @@ class Trainer:
 
     def train(self, max_epochs):
         require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
-        # Inside it the model takes a rank's chunks, at their positions in the whole sequence, and every attention
-        # exchanges K and V with the cp group (utils/context.py); after it, the model is whole again.
-        with split_sequence(self.model, self.cp, self.chunks_by_rank, exchange=self.args.exchange) as self.positions:
-            for epoch in range(self.epochs_run, max_epochs):
-                self._run_epoch(epoch)
-                if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                    rng_states = every_rank_rng_state()  # every rank's dropout generators, as bytes: no pickle
-                    if self.global_rank == 0:  # one writer in the whole job, not one per node
-                        self._save_snapshot(epoch, rng_states)
-                    dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
+        for epoch in range(self.epochs_run, max_epochs):
+            self._run_epoch(epoch)
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
+                rng_states = every_rank_rng_state()  # every rank's dropout generators, as bytes: no pickle
+                if self.global_rank == 0:  # one writer in the whole job, not one per node
+                    self._save_snapshot(epoch, rng_states)
+                dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
 
 
 def load_train_objs(args):
-    # Data, model, optimizer and loss; the GPT's context, the positions it learns, as long as --context.
-    return make_workload(args.workload, text=args.text, dropout=args.dropout, context=args.context)
+    return make_workload(args.workload, text=args.text, dropout=args.dropout)  # data, model, optimizer and loss
 
 
-def prepare_dataloader(dataset: Dataset, batch_size: int, dp):
-    # The ranks of a cp group share every sequence: the data is split over the dp groups only, 1/dp each.
-    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
-                      sampler=DistributedSampler(dataset, dp.size(), dp.get_local_rank()))
+def prepare_dataloader(dataset: Dataset, batch_size: int):
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(),
+                      shuffle=False, sampler=DistributedSampler(dataset))  # each rank its own 1/world_size
 
 
 def main(args):
     check_options(args)  # an option that cannot run here: one line, before anything
-    # Whole cp groups, and a context that cuts into 2 x cp chunks of equal length: else one line, before anything.
-    require_cp_fits(args, int(os.environ["WORLD_SIZE"]))
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
     workload = load_train_objs(args)
-    # dp x cp, rank = d * cp + c: a cp group's ranks are neighbours, on one node, whose links K and V need most.
-    mesh = init_device_mesh(device.type, (dist.get_world_size() // args.cp, args.cp), mesh_dim_names=("dp", "cp"))
-    mesh_with_timeout(mesh, args.timeout)  # the groups it made give up after --timeout too
-    train_data = prepare_dataloader(workload.train_set, args.batch_size, mesh["dp"])
+    train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
-                      args.save_every, args.snapshot_path, args, mesh)
+                      args.save_every, args.snapshot_path, args)
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
     if trainer.global_rank == 0:
@@ -188,13 +170,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("total_epochs", type=positive_int, help="Total epochs to train the model")
     parser.add_argument("save_every", type=positive_int, help="How often to save (in epochs)")
-    parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per cp group")
+    parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")
     parser.add_argument("--workload", default="gpt", choices=[w for w in WORKLOADS if w.startswith("gpt")])
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
-    parser.add_argument("--snapshot_path", default="cp_snapshot.pt", type=writable_path, help="Where to save, resume")
-    parser.add_argument("--cp", default=2, type=positive_int, help="Ranks per sequence; dp: the processes / cp")
-    parser.add_argument("--context", default=512, type=positive_int, help="Tokens per sequence (the GPT's context)")
-    parser.add_argument("--exchange", default="ring", choices=["ring", "allgather"], help="How K and V travel")
+    parser.add_argument("--snapshot_path", default="gpt_snapshot.pt", type=writable_path, help="Where to save, resume")
     parser.add_argument("--grad_accum", default=1, type=positive_int, help="Micro-batches per optimizer step (K)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="fp16: CUDA only")
     parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step (inf: no clip)")
