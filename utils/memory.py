@@ -10,6 +10,7 @@ Two kinds of numbers per rank:
 import os
 import resource
 import socket
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -41,12 +42,14 @@ class saved_for_backward(torch.autograd.graph.saved_tensors_hooks):
     """Inside it, `.bytes` counts the memory autograd keeps for the backward pass: the activations, each storage once
     (the input that q, k and v all save is one tensor), weights and their views left out; of a DTensor, this rank's
     part. Activation checkpointing keeps a block's input alone (torch saves it through these hooks too) and recomputes
-    the rest in backward; sequence parallelism keeps 1/tp of the positions where it splits them. The tensors it saw are
-    kept until it exits, so that no freed storage is counted again under the same address: measure one step, not a
-    run. The recorder of tools/jobs counts each pipeline stage's forward with it (pipeline.jsonl's `saved`)."""
+    the rest in backward; sequence parallelism keeps 1/tp of the positions where it splits them. It holds each storage
+    it saw by a weak reference, never the storage itself: the backward frees a micro-batch's activations as it would
+    unmeasured (holding them would keep every micro-batch's until the step ends, and the measured step would peak
+    higher than any other), and a storage freed and made anew at the same address is told apart by its dead reference.
+    The recorder of tools/jobs counts each pipeline stage's forward with it (pipeline.jsonl's `saved`)."""
 
     def __init__(self):
-        self.bytes, self.kept = 0, {}
+        self.bytes, self.seen = 0, {}
         super().__init__(self._pack, lambda tensor: tensor)
 
     def __enter__(self):
@@ -59,13 +62,14 @@ class saved_for_backward(torch.autograd.graph.saved_tensors_hooks):
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             local = local.wait() if hasattr(local, "wait") else local  # an all-gather's result, once it arrived
             storage = local.untyped_storage()
-            if storage._cdata not in self.kept and local.device.type != "meta":  # a shape, not memory
-                self.kept[storage._cdata] = local
+            counted = self.seen.get(storage._cdata)
+            if (counted is None or counted() is not storage) and local.device.type != "meta":  # meta: a shape
+                self.seen[storage._cdata] = weakref.ref(storage)
                 self.bytes += storage.nbytes()
         return tensor
 
     def __exit__(self, *error):
-        self.kept.clear()
+        self.seen.clear()
         return super().__exit__(*error)
 
 

@@ -62,11 +62,15 @@ def fit_problems(plan):
         return []
     worst = max(over, key=lambda rank: rank["peak"])
     state = worst["params"] + worst["grads"] + worst["optim"]
+    # What autograd keeps is counted over the whole step (every micro-batch's); the schedule holds a few micro-batches'
+    # at once, freeing each in its backward: the verdict says a micro-batch's, which is what the levers below shrink.
+    microbatches = plan["args"]["microbatches"]
     return [f"rank {worst['rank']} ({worst['where']}) peaks at {worst['peak'] / GiB:.1f} GiB (torch's MemTracker, "
             f"one step traced), over the {USABLE / GiB:.1f} GiB that 85% of an H100's {GPU.memory / GiB:.1f} GiB "
-            f"leaves: its weights' shards, their gradients and AdamW's state are {state / GiB:.1f} GiB, what "
-            f"autograd keeps for backward {worst['activations'] / GiB:.1f} GiB, and the rest FSDP's gathered weights "
-            "and gradients of its layers, the last stage's logits and the pipeline's buffers. Recompute each block "
+            f"leaves: its weights' shards, their gradients and AdamW's state are {state / GiB:.1f} GiB; autograd "
+            f"keeps {worst['activations'] / microbatches / GiB:.1f} GiB for backward a micro-batch (of the "
+            f"{microbatches} a step, the pipeline holds a few at once); the rest is FSDP's gathered weights and "
+            "gradients of its layers, the last stage's logits and the pipeline's buffers. Recompute each block "
             "(CHECKPOINT_ACTIVATIONS), split each block over a node's GPUs (TP), or cut the model into more stages "
             "(PP)"]
 
