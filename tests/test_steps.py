@@ -1,7 +1,7 @@
 """Every step, run the way a learner first runs it: by `make demo` (tools/demo.py), with the job runner's recorder
 on. Each exits 0, its loss falls, exactly one process writes its file, the file loads into a fresh model, and the
 demo sums the losses up and narrates a worker killed and the job resuming, and a replica group killed while the other
-trains on. Then what runs of the steps show: the samples each rank really trained on, the per-rank metrics, a rerun
+trains on; and it plans one rank of a 1,024-GPU job (step 14) and sums the plan up. Then what runs of the steps show: the samples each rank really trained on, the per-rank metrics, a rerun
 that resumes where the last one stopped, and nodes that refuse to train out of step.
 
 And what DDP's gradient averaging means, on the demo's own run: 2 processes with batch b take exactly the steps
@@ -10,6 +10,7 @@ that 1 process takes with batch 2b over the same samples.
 The runs are started once for this module (each a few seconds of CPU, most of it `import torch`)."""
 import contextlib
 import io
+import json
 import re
 from pathlib import Path
 
@@ -27,11 +28,11 @@ from utils import make_workload
 from utils.gpt import TEXT_VARIABLE, help_pages
 
 EPOCHS, SAVE_EVERY = 4, 2
-# The first test of this module starts the demo (fourteen jobs, each bounded by the demo's --timeout below, its own
+# The first test of this module starts the demo (sixteen jobs, each bounded by the demo's --timeout below, its own
 # default): its bound is theirs, not the 600 s that pytest.ini gives one test. At a load of 12, step 4's two nodes ran
 # past 120 s.
 DEMO_TIMEOUT = 300
-pytestmark = pytest.mark.timeout(14 * DEMO_TIMEOUT)
+pytestmark = pytest.mark.timeout(16 * DEMO_TIMEOUT)
 DATASET_SIZE = 2048  # the synthetic workload's training set
 
 
@@ -162,6 +163,30 @@ def test_the_demo_sums_up_every_step_and_narrates_the_fault(demo_run):
     assert re.search(noticed, fault.output), fault.output
     assert re.search(r">>> rank \d reloaded the snapshot: resuming from epoch 4 \(restart 1\)", fault.output)
     assert ">>> the job finished (exit 0): 8 epochs in all, one worker killed on the way" in fault.output
+
+
+@pytest.mark.slow
+def test_the_demo_plans_a_rank_of_a_1024_gpu_job_and_sums_it_up_in_figures_that_are_the_plans(demo_run):
+    """Step 14 in the demo: the planner's own report of rank 0 of 1,024 (the 1B GPT as step 7 lays it out), then a
+    summary line whose figures are not zero and are those of the plan it wrote: the state the rank holds in MiB, its
+    peak in GiB under an H100's memory, and the GiB it sends over NVLink (tp) and over the network (dp)."""
+    job, printed = demo_run["jobs"]["plan_at_scale.py"], demo_run["printed"]
+    assert job.ok, job.output
+    assert "1,024 ranks as tensor_parallel.py (step 7: FSDP over dp x tensor parallelism over tp) lays them out: " \
+           "dp 128 x tp 8" in printed, printed
+    summary = printed.split("=== Summary")[1]
+    line = re.search(r"^plan_at_scale\.py +rank 0 of a 1,024-GPU job of the 1b GPT, laid out by tensor_parallel\.py's "
+                     r"own code \(dp 128 x tp 8\) and traced in this one process in \d+ s: it holds ([\d.]+) MiB of "
+                     r"weights, gradients and AdamW, peaks at ([\d.]+) GiB \(an H100 has 79\.6\), and sends ([\d.]+) "
+                     r"GiB over NVLink \(tp\) and ([\d.]+) GiB over the network \(dp\) a step$", summary, re.M)
+    assert line, summary
+    held, peak, nvlink, network = map(float, line.groups())
+    [rank] = json.loads((job.cwd / "plan.json").read_text())["plans"]
+    sent = {group: bytes_ / 2**30 for group, bytes_ in rank["estimate"]["sent"].items()}
+    assert min(held, peak, nvlink, network) > 0, line[0]
+    assert held == round((rank["params"] + rank["grads"] + rank["optim"]) / 2**20, 1), line[0]
+    assert (peak, nvlink, network) == (round(rank["peak"] / 2**30, 2), round(sent["tp"], 2), round(sent["dp"], 2))
+    assert peak < 79.6, "the 1B GPT's rank fits an H100"
 
 
 @pytest.mark.slow

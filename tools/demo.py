@@ -4,9 +4,12 @@ Runs in runs/demo/ so checkpoints and snapshots land there, prints each command 
 printed, then a summary of the loss each step started and ended with. Every step is bounded: one that fails or
 runs past --timeout stops the demo with a line that names it and where its log is. Step 13 (replica groups) has one
 of its groups SIGKILLed while it runs and is stopped once that group is back; it shows the lines that tell what
-happened, not every step's.
+happened, not every step's. Step 14 runs no job: one process plans rank 0 of a 1,024-GPU job with step 7's code, and
+the summary says what that rank would hold, peak at and send.
 """
 import argparse
+import json
+import math
 import os
 import re
 import shutil
@@ -19,6 +22,7 @@ import torch  # noqa: E402
 
 from tools.jobs import (REPO, free_port, lighthouse, machine_summary, output, python, replica_groups,  # noqa: E402
                         run, shown, start, torchrun, torchrun_node)
+from utils.estimates import GPUS as GPU_SHAPES  # noqa: E402
 from utils.gpt import TEXT_VARIABLE, help_pages  # noqa: E402
 
 EPOCHS, SAVE_EVERY = 5, 2
@@ -34,6 +38,11 @@ GPUS = torch.cuda.device_count()
 # machine. So the groups are given FT_EPOCHS, more than any start takes, and the demo stops the job once group 1, back,
 # has trained FT_STOP_AFTER steps with group 0: 11 s on 2 cores at a load of 3, and the same story at any load.
 FT_EPOCHS, FT_KILL_AFTER, FT_STOP_AFTER = 100, 10, 20
+# Step 14: rank 0 of a 1,024-GPU job of the 1B GPT's shape (16 blocks, 2,048 wide, a vocabulary of 128,256, a context
+# of 8,192), laid out by step 7's code (dp 128 x tp 8), one sequence a dp rank. The cost of a trace grows with the
+# blocks a rank runs times its micro-batches: this one is 24 s of CPU on the 2 cores here, the import of torch
+# included (the 8B at step 11's pp 8 x tp 8, the page's plan, is 78 s for its two kinds of rank: too long for a demo).
+PLAN = ["--step", "tensor_parallel", "--world", 1024, "--tp", 8, "--size", "1b", "--batch_size", 1, "--microbatches", 1]
 NOTICE = re.compile(r"[WEI]\d{4} [\d:.]+ \d+ \S+\] (.*)")  # a torchrun log record, as output.Narrator reads them
 
 
@@ -206,6 +215,27 @@ def replica_facts(job):
                 end=steps[0][last])
 
 
+def plan_summary(path):
+    """Step 14's line of the summary, from the plan it wrote (plan_at_scale.py --json): the job, whose code laid it
+    out, and what the traced rank holds, peaks at and sends over each link."""
+    plan = json.loads(path.read_text())
+    rank, args = plan["plans"][0], plan["args"]
+    gpu, step = GPU_SHAPES[args["gpu"]], rank["estimate"]
+    split = {name: args[name] for name in ("pp", "tp", "ep") if args[name] > 1}
+    layout = " x ".join(f"{name} {size}" for name, size in {"dp": args["world"] // math.prod(split.values()),
+                                                           **split}.items())
+    state = rank["params"] + rank["grads"] + rank["optim"]
+    over = {}  # what the rank sends a step over each link, and over which groups
+    for link, name in (("nvlink", "NVLink"), ("network", "the network")):
+        groups = [group for group in step["sent"] if step["links"][group] == link]
+        over[link] = f"{sum(step['sent'][group] for group in groups) / 2**30:.2f} GiB over {name} ({', '.join(groups)})"
+    return (f"rank {rank['rank']} of a {args['world']:,}-GPU job of the {args['size']} GPT, laid out by "
+            f"{args['step']}.py's own code ({layout}) and traced in this one process in {rank['seconds']:.0f} s: it "
+            f"holds {state / 2**20:.1f} MiB of weights, gradients and AdamW, peaks at {rank['peak'] / 2**30:.2f} GiB "
+            f"(an {args['gpu'].upper()} has {gpu.memory / 2**30:.1f}), and sends {over['nvlink']} and "
+            f"{over['network']} a step")
+
+
 DDP_STEPS = ("multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py")
 
 
@@ -294,6 +324,11 @@ def main():
     jobs["fault_tolerant.py"] = show_replica_groups(
         "Step 13: two replica groups under torchft: one is SIGKILLed, the other trains on, the killed one heals",
         FT_EPOCHS, FT_KILL_AFTER, FT_STOP_AFTER, timeout=args.timeout)
+    # Step 14: no job runs; one process becomes rank 0 of 1,024 on torch's fake process group and traces a step of
+    # step 7's code on fake tensors (PLAN). Its plan, as JSON, in runs/demo/plan.json.
+    jobs["plan_at_scale.py"] = show("Step 14: plan one rank of a 1,024-GPU job on this machine, with step 7's code",
+                                    python("plan_at_scale.py", *PLAN, "--json", "plan.json"), timeout=args.timeout,
+                                    narrated=True)
 
     fault = show("Step 3 under fire: a worker SIGKILLed, torchrun restarts the group, the job resumes",
                  python("tools/fault_demo.py", "--timeout", args.timeout), timeout=args.timeout + 30, narrated=True)
@@ -301,7 +336,9 @@ def main():
     print(f"\n=== Summary ({time.perf_counter() - began:.0f} s; files in {where(RUN_DIR)}/)")
     for step, job in jobs.items():
         losses = job.losses
-        if len(losses) > 1:
+        if step == "plan_at_scale.py":  # a plan, not a training run
+            print(f"{step:22} {plan_summary(job.cwd / 'plan.json')}")
+        elif len(losses) > 1:
             print(f"{step:22} loss {losses[0]:.4f} (epoch 0) -> {losses[max(losses)]:.4f} (epoch {max(losses)})")
         elif losses:  # one epoch: its mean training loss, then the held-out loss of the weights it ended with
             held_out = output.held_out(job.output)["loss"]
