@@ -98,7 +98,7 @@ jobs (DDP, FSDP, 2D, this mesh and experts), and compare the activations too.
 ## One model, 64 GPUs, three layouts
 
 The model: **the 8B GPT's shape** (4,096 wide, 32 heads, a vocabulary of 128,256, a context of 8,192) **with 2 of its
-32 blocks**, so that each rank traces in a few seconds here (the cost grows with the blocks a rank runs and its
+32 blocks**, so that each rank traces in a few seconds of CPU here (the cost grows with the blocks a rank runs and its
 micro-batches; the whole 8B on 1,024 GPUs takes minutes: [the step's page](../docs/plan-at-scale.md) shows it). A
 block holds and sends exactly what one of the 8B's does; the embedding and the head are the 8B's, and with 2 blocks
 they weigh more than the blocks. The job: 64 GPUs in 8 nodes of 8, bf16, a global batch of 64 sequences a step, laid
@@ -168,15 +168,15 @@ for name, p in kinds.items():
     new_markdown_cell("""Read it left to right:
 
 * **FSDP over 64**: the training state split 64 ways is a sliver; what fills the GPU is the step itself, the
-  activations of its one sequence of 8,192 tokens and, at the peak, the logits over a vocabulary of 128,256 for each
-  of them. It fits with room to spare;
+  activations of its one sequence of 8,192 tokens and, at the peak, the step's working memory (the layer it gathered,
+  the logits over a vocabulary of 128,256 for each token). It fits with room to spare;
 * **dp 8 × tp 8**, as step 7 splits it, **does not fit**. Its tp ranks share the blocks' matrices, but outside them each
   computes all 8 of its group's sequences whole: the embedding's output, the norms, and the head's logits over the
   whole vocabulary (step 7 splits neither the embedding nor the head over tp, so it also holds more of them);
 * **pp 2 × dp 4 × tp 8**, as step 11 splits it, keeps only its share of the positions between the matrices and leaves
   the logits split over the vocabulary. Its two pipeline ranks are not alike: the first (the embedding and a block)
-  peaks low; the last (a block and the head) holds the logits of a micro-batch of 8 sequences and their gradients, and
-  comes close to the line. A pipeline's last rank is where a layout stops fitting: check it first.
+  peaks low; the last (a block and the head, whose logits of a micro-batch of 8 sequences and their gradients are the
+  step's largest tensors) comes close to the line. A pipeline's last rank is where a layout stops fitting: check it first.
 
 ## Traffic per link
 
