@@ -34,7 +34,7 @@ from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
 
 # FSDP warns that a layer returns a view under the comm-counting mode's hooks; no in-place operation follows.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-GiB, MiB, KiB = 2**30, 2**20, 2**10
+GiB, MiB = 2**30, 2**20
 
 
 def plan(*options, size="8b", text=None, ranks=None, say=print):
@@ -68,12 +68,14 @@ print(f"({sum('FSDP2-wrapped module' in line for line in lines)} lines of FSDP's
     new_markdown_cell("""Now the planner, on the same job: `--world 8 --pp 2 --tp 2`, the same batch and micro-batches,
 fp32 as the job trains. It traces two ranks, one of each kind: rank 0 (the first pipeline rank: the embedding) and
 rank 4 (the last: the head and the loss). The other ranks of a kind hold and send the same; the tests compare every
-rank. Each report below is what `python plan_at_scale.py` prints."""),
+rank. Its reports are left unsaid here (`say`): they count in GiB, which read 0.00 for a model of 0.12M weights; the
+comparison below counts bytes."""),
     new_code_cell("""small = plan("--step", "one_mesh", "--world", 8, "--pp", 2, "--tp", 2, "--batch_size", 4, "--microbatches", 2,
-             "--precision", "fp32", size="cpu", text=text, ranks="0,4")"""),
+             "--precision", "fp32", size="cpu", text=text, ranks="0,4", say=lambda line: None)
+print("traced:", ", ".join(f"rank {p['rank']} ({p['layers']}) in {p['seconds']:.1f} s" for p in small["plans"]))"""),
     new_markdown_cell("""Side by side: every collective of one optimizer step, as the planner counted it and as the real
-rank called it. The real job's third step is compared: the first steps set things up (FSDP and the pipeline run a few
-collectives once). A collective is its kind, the group it runs over (named by the mesh dimension of its ranks) and
+rank called it, in the real job's third optimizer step (as in the tests: a step past the first ones, which may set
+things up). A collective is its kind, the group it runs over (named by the mesh dimension of its ranks) and
 its bytes; the columns count how many times the step called it."""),
     new_code_cell("""# NBVAL_CHECK_OUTPUT
 records = {record["rank"]: record for record in real.records("traffic.jsonl") if record["step"] == 3}
