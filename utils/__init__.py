@@ -14,8 +14,8 @@ from utils.helpers import (being_written, configure_cpu_threads, dcp_folder, exi
                            require_epochs_left, require_same_arguments, require_same_start, require_torch_for_fsdp,
                            require_torchrun, require_tp_fits, require_written_by, snapshot_folder,
                            step_snapshot, stop_if_unloadable, weights_digest, whole_snapshots, writable_path)
-from utils.launch import (attempt_store, collectives_timeout, mesh_with_timeout, rendezvous_port, said_once_per_node,
-                          stop_on_signals)
+from utils.launch import (attempt_store, collectives_timeout, errors_said_once, mesh_with_timeout, rendezvous_port,
+                          said_once_per_node, stop_on_signals)
 from utils.gpt import size_of
 from utils.memory import log_memory, log_slices
 from utils.snapshot_reader import snapshot_to_resume
@@ -48,8 +48,8 @@ def make_workload(name="synthetic", seed=SEED, **options):
     return WORKLOADS[name](seed, **options)
 
 
-__all__ = ["attempt_store", "being_written", "configure_cpu_threads", "dcp_folder", "evaluate", "exists_on_any_rank",
-           "exit_without_teardown", "latest_snapshot", "log_memory", "log_rank_metrics",
+__all__ = ["attempt_store", "being_written", "configure_cpu_threads", "dcp_folder", "errors_said_once", "evaluate",
+           "exists_on_any_rank", "exit_without_teardown", "latest_snapshot", "log_memory", "log_rank_metrics",
            "log_slices", "make_workload", "mesh_with_timeout", "non_negative_int", "non_negative_number",
            "positive_int", "positive_number", "probability", "quiet_torchft", "reason", "remove", "rendezvous_port",
            "replacing", "require_a_gpu_each", "require_epochs_left", "require_same_arguments", "require_same_start",
