@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from expect import LIBRARY_NOISE, stopped_as_rank_0
+from expect import LIBRARY_NOISE, snapshot_of, stopped_as_rank_0
 from tools.jobs import output, python, run, script, torchrun
 from tools.stepdiff import steps
 
@@ -170,6 +170,10 @@ SAID_ONCE = {
         ("multigpu_torchrun.py", 50, 10),
         "error: cannot resume from snapshot.pt (UnpicklingError: not a file of tensors torch.load can read safely "
         "(Unsupported operand 0)); it is left in place: move it away to start anew"),
+    "a finished job run again (step 3)": (
+        ("multigpu_torchrun.py", 3, 1),
+        "error: snapshot.pt holds 3 epochs already, and TOTAL_EPOCHS is 3: nothing to train. Ask for more epochs, or "
+        "move it away to start anew"),
     "an option of another strategy (step 5)": (
         ("fsdp.py", 50, 10, "--strategy", "ddp", "--bf16"),
         "error: --bf16 and --cpu_offload are options of --strategy fsdp"),
@@ -195,11 +199,14 @@ def workers_lines(said):
 def test_a_mistake_every_rank_meets_is_said_once_and_the_job_exits_non_zero(tmp_path):
     """The cases above, each a job of 2 ranks, all at once (each stops within seconds): every job exits non-zero, and
     its workers print the one line once (every rank printed it, a usage line with each argparse error, until the
-    steps said it once), no traceback or library line of theirs; the snapshot is left as it was."""
+    steps said it once), no traceback or library line of theirs, and no epoch line; each snapshot is left as it was.
+    (A finished job run again used to exit 0 having done nothing, as the official tutorial does.)"""
     folders = [tmp_path / str(case) for case in range(len(SAID_ONCE))]
     for folder in folders:
         folder.mkdir()
     (folders[0] / "snapshot.pt").write_bytes(NOT_A_SNAPSHOT)
+    torch.save(snapshot_of(3), folders[1] / "snapshot.pt")
+    snapshots = {path: path.read_bytes() for path in tmp_path.glob("*/snapshot.pt")}
     job = run(*(torchrun(*command, nproc=2) for command, _ in SAID_ONCE.values()), cwd=folders, timeout=300,
               check=False)
     for node, (case, (command, line)) in enumerate(SAID_ONCE.items()):
@@ -209,5 +216,5 @@ def test_a_mistake_every_rank_meets_is_said_once_and_the_job_exits_non_zero(tmp_
         errors = [said_line for said_line in output.own_lines(workers) if "error:" in said_line]
         assert errors == [line], (case, said[-3000:])
         assert workers.count("usage: ") == ("error: argument" in errors[0]), (case, said[-3000:])
-        assert not LIBRARY_NOISE.search(workers), (case, said[-3000:])
-    assert (folders[0] / "snapshot.pt").read_bytes() == NOT_A_SNAPSHOT
+        assert not LIBRARY_NOISE.search(workers) and not output.epoch_losses(said), (case, said[-3000:])
+    assert {path: path.read_bytes() for path in tmp_path.glob("*/snapshot.pt")} == snapshots
