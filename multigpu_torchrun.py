@@ -108,7 +108,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 def main(args):
     # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
     with said_once_per_node(args.timeout):
-        workload = load_train_objs(args)  # its data missing, for one
+        workload = load_train_objs(args)  # its data read: missing data stops it here, too
     ddp_setup(args.timeout)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(dist.get_world_size())  # the job's processes share this machine's cores
