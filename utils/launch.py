@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from utils.helpers import UNFINISHED, remove
+from utils.files import UNFINISHED, remove
 
 POLL_S = 0.05
 
