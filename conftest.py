@@ -1,5 +1,5 @@
 """The test session's shared folder, for the tests and the notebooks alike (nbval runs them in kernels this process
-starts): tools.jobs.run(..., shared=True) runs each job there once, however many tests ask for it. Made by the
+starts): harness.jobs.run(..., shared=True) runs each job there once, however many tests ask for it. Made by the
 process that starts the session, before any worker, so every pytest-xdist worker (and each notebook's kernel)
 inherits the same one; removed when the session ends.
 
@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 
-from tools.jobs import SHARED_VARIABLE
+from harness.jobs import SHARED_VARIABLE
 
 
 def pytest_configure(config):

@@ -7,7 +7,7 @@
 Two processes (one CPU thread each, gloo) train exercises/07_ddp_by_hand/solution.py's MLP with its HandDDP, each
 bucket size in turn for --steps optimizer steps, round after round (the order reversed every other round, so that
 the load on the machine drifts against no one; round 0 warms up). The job runner's recorder notes every all-reduce
-(bytes, start), every wait(), each backward and each optimizer step (tools/jobs/recorder: collectives.jsonl). Per
+(bytes, start), every wait(), each backward and each optimizer step (harness/jobs/recorder: collectives.jsonl). Per
 bucket size, its fastest step (other work on the machine only ever slows a step down), the mean of its 2 ranks:
   all-reduces  per step (the buckets: the MLP's 8 gradients, 466,472 bytes, packed in the order backward hands them
                over, a bucket sent once it holds --bucket_mb MiB)
@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/bucket_size.py` from anywhere
 
-from tools.jobs import RECORDER, free_port, machine_summary, recorded, spawned_result  # noqa: E402
+from harness.jobs import RECORDER, free_port, machine_summary, recorded, spawned_result  # noqa: E402
 from utils import non_negative_number, positive_int  # noqa: E402
 
 WORLD_SIZE = 2

@@ -51,7 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/communication.py` from anywhere; tensor_parallel.py imports
 
-from tools.jobs import free_port, machine_summary, spawned_result  # noqa: E402
+from harness.jobs import free_port, machine_summary, spawned_result  # noqa: E402
 from utils import exit_without_teardown, positive_int  # noqa: E402
 from utils.traffic import counting_collectives, sent_per_rank  # noqa: E402
 

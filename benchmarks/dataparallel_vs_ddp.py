@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `utils` without installing anything
-from tools.jobs import free_port, spawned_result  # noqa: E402
+from harness.jobs import free_port, spawned_result  # noqa: E402
 from utils import (WORKLOADS, configure_cpu_threads, exit_without_teardown, make_workload,  # noqa: E402
                    positive_int)
 

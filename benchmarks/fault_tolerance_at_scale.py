@@ -8,7 +8,7 @@ with --max_restarts=1). The same data, model and batch (2 x 32 samples a step, 3
     python benchmarks/fault_tolerance_at_scale.py --workload wide       # steps ~10x slower: the redone steps show
     python benchmarks/fault_tolerance_at_scale.py --waits --group_timeout 20    # what the survivor waits for, by fault
 
-Times come from the recorder (tools/jobs): the moment every optimizer step of every process began. Each job is stopped
+Times come from the recorder (harness/jobs): the moment every optimizer step of every process began. Each job is stopped
 once it has shown what it costs (they are given more epochs than they take). Restarting the world, every rank stops;
 the job redoes the steps since its last snapshot, and is "back" when it reaches the step the kill interrupted. Replica groups: the other group never stops; its longest wait is the lighthouse's heartbeat timeout
 (2 s here) before it takes the dead group for dead; the killed group's share of the data is not trained while it is
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.jobs import (free_port, kill_when_training_together, lighthouse, machine_summary,  # noqa: E402
+from harness.jobs import (free_port, kill_when_training_together, lighthouse, machine_summary,  # noqa: E402
                         next_heal, output, replica_groups, start, torchrun)
 from utils import positive_int  # noqa: E402
 

@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/gpt_heads.py` from anywhere
 
-from tools.jobs import machine_summary  # noqa: E402
+from harness.jobs import machine_summary  # noqa: E402
 from utils import evaluate, positive_int  # noqa: E402
 
 HEADS = (6, 8)  # nanoGPT's, the tutorial's

@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/gpt_learns.py` from anywhere
 
-from tools.jobs import machine_summary, output, run, shown, torchrun  # noqa: E402
+from harness.jobs import machine_summary, output, run, shown, torchrun  # noqa: E402
 from utils import evaluate, make_workload, positive_int  # noqa: E402
 
 GOALS = dict(seconds=90, held_out=1.8, known_words=1 / 3)

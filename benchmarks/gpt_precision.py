@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/gpt_precision.py` from anywhere
 
-from tools.jobs import machine_summary, output, run, shown, torchrun  # noqa: E402
+from harness.jobs import machine_summary, output, run, shown, torchrun  # noqa: E402
 from utils import positive_int  # noqa: E402
 
 VARIANTS = {"fp32": [], "bf16": ["--precision", "bf16"], "fp32+compile": ["--compile"],

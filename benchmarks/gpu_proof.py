@@ -18,7 +18,7 @@ it still run, and the report is written again after each part.
   mesh      step 11 (one_mesh.py) on every GPU there is, bf16, as the largest of pp 2 x tp 4, 2 x 2, 2 x 1, 1 x 1
             that divides them (dp the rest): tokens/s, MFU, and each rank's peak memory (the CUDA allocator's, which
             utils/metrics.py records) against tools/memory_plan.py's plan for that layout
-  commands  every GPU command the pages show (tools/shown_commands.py), by the run of RUNS that stands for it, at a
+  commands  every GPU command the pages show (harness/shown_commands.py), by the run of RUNS that stands for it, at a
             short length, two at a time; a layout that needs more GPUs than there are, or a module that is missing,
             is left out with the reason
   tests     every test marked gpu, each in a pytest process of its own, two at a time, bounded
@@ -30,7 +30,7 @@ the GPUs that trained them: dense bf16, looked up by the GPU's name in utils/loo
 datasheets, each source said there: H100 SXM and PCIe, H200, A100...), or --peak_tflops.
 
 Nothing is installed: it runs on the Python it is started with (a GPU machine's own torch, 2.6 or newer) and says
-which optional packages are missing and what that leaves out. Jobs run through tools/jobs; their folders are
+which optional packages are missing and what that leaves out. Jobs run through harness/jobs; their folders are
 temporary, and the logs of the jobs that failed or were stopped are kept beside the report. Without a GPU it stops
 with one line. --device cpu (for the tests alone) runs the measuring parts on CPU processes at the CPU size.
 """
@@ -56,9 +56,9 @@ sys.path.insert(0, str(REPO))  # run as `python benchmarks/gpu_proof.py` from an
 import torch  # noqa: E402
 
 from tools import memory_plan  # noqa: E402
-from tools.jobs import (PYTHON, free_port, lighthouse, output, python, replica_groups, shown, start,  # noqa: E402
+from harness.jobs import (PYTHON, free_port, lighthouse, output, python, replica_groups, shown, start,  # noqa: E402
                         torchrun, torchrun_node)
-from tools.shown_commands import gpu_commands, key  # noqa: E402
+from harness.shown_commands import gpu_commands, key  # noqa: E402
 from utils.gpt import flops_per_token  # noqa: E402
 from utils.loop import PEAK_VARIABLE, peak_flops  # noqa: E402
 
@@ -316,7 +316,7 @@ def part_tests(proof, deadline):
         def read(job, report=report):
             return junit_result(report) or {}
 
-        # The CPU's cores shared by the tests that run at once (tools/jobs gives a job one thread): what a test
+        # The CPU's cores shared by the tests that run at once (harness/jobs gives a job one thread): what a test
         # computes on the CPU in its own process (the references the GPU runs are compared with) takes less time.
         threads = {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // PARALLEL)}
         tasks.append(Task(name, [command], TEST_CAP, dict(cwd=REPO, gpu=True, env=threads,
@@ -519,7 +519,7 @@ def part_mesh(proof, deadline):
 
 @dataclasses.dataclass
 class Task:
-    """One job of a part (tools/jobs: a command per node) that may run `cap` seconds at most; `options`: the Job's
+    """One job of a part (harness/jobs: a command per node) that may run `cap` seconds at most; `options`: the Job's
     (cwd, gpu, env, node_env, services...); `read(job)`: what the ended job tells, as a dict (a status or why in it
     replaces the exit code's, unless the job was stopped)."""
     name: str

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/init_weights.py` from anywhere
 
-from tools.jobs import machine_summary  # noqa: E402
+from harness.jobs import machine_summary  # noqa: E402
 from utils import positive_int  # noqa: E402
 
 SIZES = ("cpu", "gpu", "1b")

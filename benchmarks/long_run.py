@@ -16,8 +16,8 @@ documents repeated k times). All of it lies in a temporary folder, removed at th
 so their pages lie in the page cache: the reads below are the page cache's, and a cold disk would add its own time.
 
 Jobs. Each is `torchrun --standalone --nproc_per_node=1 long_run.py STEPS SAVE_EVERY --pp 1 --tp 1 --workload
-gpt-cpu` on the x1 folder (tools/jobs.run: one compute thread), in a folder of its own, a held-out loss only at step 0
-and at the end. The figures come from its lines, one every --log_every steps (tools/jobs/output.step_lines): a
+gpt-cpu` on the x1 folder (harness/jobs.run: one compute thread), in a folder of its own, a held-out loss only at step 0
+and at the end. The figures come from its lines, one every --log_every steps (harness/jobs/output.step_lines): a
 window's tokens over its tokens/s are its seconds. The first window is left out (it holds the held-out loss of step 0
 and the warm-up), and the last (it holds the final snapshot, which every job writes): --steps must be at least three
 windows. Each configuration runs --job_rounds times, the configurations in turn, in reverse order every other round;
@@ -82,7 +82,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/long_run.py` from anywhere; long_run.py lies there
 
-from tools.jobs import machine_summary, output, run, shown, spawned_result, torchrun  # noqa: E402
+from harness.jobs import machine_summary, output, run, shown, spawned_result, torchrun  # noqa: E402
 from utils import positive_int  # noqa: E402
 
 MiB = 2**20

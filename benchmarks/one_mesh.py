@@ -17,7 +17,7 @@ sequences of 64 characters, each step in M micro-batches, with five schedules:
   zero-bubble-plain    the same, ScheduleInterleavedZeroBubble
   zbv-plain            the same cut placed as a V (rank r holds stages r and 3 - r), ScheduleZBVZeroBubble
 The configurations take --steps steps per turn, round after round, the order reversed every other round, round 0 a
-warm-up (pipeline_bubble.take_turns). The job runner's recorder (tools/jobs/recorder: pipeline.jsonl) times every
+warm-up (pipeline_bubble.take_turns). The job runner's recorder (harness/jobs/recorder: pipeline.jsonl) times every
 micro-batch's forward and backward on each stage. The zero-bubble schedules split a backward in two: the inputs'
 gradient first (the recorder times it as a backward), the weights' later, to fill the waits (W passes, which the worker
 times into the same file). Per configuration, the fastest step's (other work on the machine only ever slows a step
@@ -96,7 +96,7 @@ sys.path.insert(0, str(REPO))  # run as `python benchmarks/one_mesh.py` from any
 
 from benchmarks import pipeline_bubble  # noqa: E402
 from tools import pipeline_timeline  # noqa: E402
-from tools.jobs import free_port, machine_summary, spawned_result  # noqa: E402
+from harness.jobs import free_port, machine_summary, spawned_result  # noqa: E402
 from utils import SEED, exit_without_teardown, positive_int  # noqa: E402
 
 PP, TP, DP = 2, 2, 2  # the pipeline's ranks (part 1), the tp group (parts 2 and 3), the dp of --zero_bubble_fsdp

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/overhead.py` from anywhere
 
-from tools.jobs import machine_summary  # noqa: E402
+from harness.jobs import machine_summary  # noqa: E402
 from utils import WORKLOADS, positive_int  # noqa: E402
 
 GOAL = 1.10

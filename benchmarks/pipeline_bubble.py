@@ -8,7 +8,7 @@ Two processes (one CPU thread each, gloo) hold the two stages: the embedding and
 For every schedule and M they build pipeline_parallel.py's own Trainer (its stage, DDP, schedule, clipping, AdamW)
 and take --steps optimizer steps on batches of --batch_size sequences of 64 characters, round after round (the
 order reversed every other round, so that the load on the machine drifts against no one; round 0 warms up). The job
-runner's recorder times every micro-batch's forward and backward on each stage (tools/jobs/recorder: pipeline.jsonl)
+runner's recorder times every micro-batch's forward and backward on each stage (harness/jobs/recorder: pipeline.jsonl)
 and counts the bytes autograd keeps for each forward's backward. Per configuration, the fastest step's (other work
 on the machine only ever slows a step down: a stage preempted mid-pass looks busy, its peer idle):
   step ms     from the first forward's start to the last backward's end (the optimizer step is not in it)
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/pipeline_bubble.py` from anywhere
 
 from tools import pipeline_timeline  # noqa: E402
-from tools.jobs import RECORDER, free_port, machine_summary, spawned_result  # noqa: E402
+from harness.jobs import RECORDER, free_port, machine_summary, spawned_result  # noqa: E402
 from utils import exit_without_teardown, positive_int  # noqa: E402
 
 STAGES = 2

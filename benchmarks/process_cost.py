@@ -4,7 +4,7 @@ This is what bounds `make test` on a small machine, where every test runs the st
     python benchmarks/process_cost.py                  # each command 3 times, the median
     python benchmarks/process_cost.py --repeats 5 --only import_torch import_dynamo
 
-Each command runs through tools/jobs in a folder of its own, as the tests run it. Its CPU time is its user + system
+Each command runs through harness/jobs in a folder of its own, as the tests run it. Its CPU time is its user + system
 time together with that of every process it waited for (a torchrun launcher waits for its ranks), read from this
 process's account of its finished children, so other programs on the machine do not count. The steps train one
 epoch of the synthetic workload here (32 steps of 64 samples): training is a small part of what a process costs.
@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.jobs import PYTHON, machine_summary, python, run, torchrun  # noqa: E402
+from harness.jobs import PYTHON, machine_summary, python, run, torchrun  # noqa: E402
 from utils import positive_int  # noqa: E402
 
 COMMANDS = {  # name: (what it is, the command)

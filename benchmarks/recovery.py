@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.jobs import machine_summary, output, start, torchrun  # noqa: E402
+from harness.jobs import machine_summary, output, start, torchrun  # noqa: E402
 from utils import positive_int  # noqa: E402
 
 TRAIN_SAMPLES = 2048  # the synthetic workload's training set: what one epoch reports samples per second over

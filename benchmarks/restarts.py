@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.jobs import FRESH_STORE, free_port, machine_summary, output, start, torchrun, torchrun_node  # noqa: E402
+from harness.jobs import FRESH_STORE, free_port, machine_summary, output, start, torchrun, torchrun_node  # noqa: E402
 from utils import positive_int  # noqa: E402
 
 STEP_ARGS = (1, "--batch_size", 8, "--timeout", 30)  # a snapshot after every epoch (~1 s each here)

@@ -4,8 +4,8 @@ goes to other experts than in one process, how near a tie its router was, and ho
     python benchmarks/router_flips.py                   # 40,000 characters, 2 epochs of 18 steps, top-1 and top-2
     python benchmarks/router_flips.py --top_k 1 --chars 20000
 
-The reference is one process, tools.one_process.train_gpt, batches of 32, watched step by step
-(tools/routes.py). Against it run expert_parallel.py (fp32, dropout 0, the aux loss weighted 0.01, the same 32
+The reference is one process, harness.one_process.train_gpt, batches of 32, watched step by step
+(harness/routes.py). Against it run expert_parallel.py (fp32, dropout 0, the aux loss weighted 0.01, the same 32
 sequences a step): on 1 process (--ep 1), on 2 ranks as plain data parallelism (--ep 1, 16 a rank), on 2 ranks with
 the experts split (--ep 2) and on 4 (--ep 2 x dp 2, 8 a rank); and, for contrast, the dense GPT of step 6 (gpt.py) on
 2 ranks against train_gpt's dense GPT. For each job: the epoch losses and the held-out loss it printed; the first
@@ -22,8 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/router_flips.py` from anywhere
 
-from tools.jobs import machine_summary, output, run, torchrun  # noqa: E402
-from tools.routes import first_flip, job_steps, reference_with_routes  # noqa: E402
+from harness.jobs import machine_summary, output, run, torchrun  # noqa: E402
+from harness.routes import first_flip, job_steps, reference_with_routes  # noqa: E402
 from utils import positive_int  # noqa: E402
 from utils.gpt import help_pages  # noqa: E402
 from utils.metrics import RUN_DIR_VARIABLE  # noqa: E402

@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python benchmarks/scaling.py` from anywhere; the step scripts import too
 
-from tools.jobs import free_port, machine_summary, spawned_result  # noqa: E402
+from harness.jobs import free_port, machine_summary, spawned_result  # noqa: E402
 from tools.plot_metrics import plot_speedups  # noqa: E402
 from utils import WORKLOADS, exit_without_teardown, positive_int  # noqa: E402
 

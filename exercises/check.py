@@ -22,7 +22,7 @@ killed job had), whether each process closed its process group. For exercises 7-
 exercises/inside/): every collective each rank called, with its bytes, its line and when it was waited on, each
 backward and optimizer step with the gradients and optimizer state it held, and what the exercise builds (FSDP's
 units held whole, a pipeline rank's passes and activations, the rows an all-to-all moved, every rank's Flight
-Recorder), against what a correct program computes. tools/jobs records all that, the same job runner the
+Recorder), against what a correct program computes. harness/jobs records all that, the same job runner the
 repository's tests use. For exercise 13 it runs the planner (plan_at_scale.py, step 14) on the layout and judges what
 the planner counted: the peak memory of each kind of rank, where tensor parallelism's traffic goes, the step's time.
 """
@@ -41,8 +41,8 @@ import torch  # noqa: E402
 
 from exercises.judging import (COLLECTIVE_TIMEOUT_S, LOSS_TOLERANCE, WORLD_SIZE, exit_problems, lines_in,  # noqa: E402
                                listed, one_thread, ranks_of)
-from tools.jobs import PYTHON, free_port, run, saved_name, shown, torchrun, torchrun_node  # noqa: E402
-from tools.jobs.output import epoch_losses  # noqa: E402
+from harness.jobs import PYTHON, free_port, run, saved_name, shown, torchrun, torchrun_node  # noqa: E402
+from harness.jobs.output import epoch_losses  # noqa: E402
 from utils import make_workload  # noqa: E402
 
 EXERCISES = {1: "01_ddp", 2: "02_survive_a_kill", 3: "03_two_nodes", 4: "04_grad_accum",  # their folders in exercises/
@@ -636,7 +636,7 @@ def context_reference(text):
     """{epoch: mean loss} of one process training the GPT (dropout 0, context CP_CONTEXT) on whole sequences as
     context_parallel.py's loop does, over the samples in their order: what the cp group computes together when it
     splits every sequence right."""
-    from tools.one_process import train_gpt
+    from harness.one_process import train_gpt
 
     return train_gpt(text, CP_BATCH, CP_EPOCHS, context=CP_CONTEXT)["losses"]
 

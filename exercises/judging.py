@@ -6,7 +6,7 @@ import linecache
 import re
 from pathlib import Path
 
-from tools.jobs.output import noise
+from harness.jobs.output import noise
 
 WORLD_SIZE = 2
 COLLECTIVE_TIMEOUT_S = 60  # passed as --timeout: a stuck collective fails instead of hanging forever (slow starts pass)

@@ -22,7 +22,7 @@ real model needs:
 The model (in `utils/gpt.py`) is a character-level GPT; it trains on Python's own help pages, which every Python
 installation has. This notebook trains it on a short excerpt, to stay quick on a laptop."""),
     new_code_cell("""from nbhelpers import plot_losses, print_job, scratch, show_diff
-from tools.jobs import REPO, machine_summary, output, run, shared_file, torchrun
+from harness.jobs import REPO, machine_summary, output, run, shared_file, torchrun
 from utils.gpt import help_pages
 from utils.metrics import RUN_DIR_VARIABLE
 

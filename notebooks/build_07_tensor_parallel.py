@@ -23,7 +23,7 @@ a block and compute one forward pass together, adding up their partial results w
 This notebook runs it on 4 CPU processes (dp 2 × tp 2), looks at what each rank trained on and what it holds, and
 counts what DDP, FSDP, TP, 2D and CP (step 9) communicate per optimizer step."""),
     new_code_cell("""from nbhelpers import plot_mesh, plot_slices, print_job, scratch, show_diff
-from tools.jobs import PYTHON, machine_summary, output, run, script, shared_file, torchrun
+from harness.jobs import PYTHON, machine_summary, output, run, script, shared_file, torchrun
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
 
 print(machine_summary())"""),

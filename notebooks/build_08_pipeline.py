@@ -22,7 +22,7 @@ While the pipeline fills and drains, a stage waits: in theory `(stages - 1) / (M
 stages did, pass by pass, as the job runner's recorder timed them."""),
     new_code_cell("""from nbhelpers import print_job, scratch, show_diff
 from tools import pipeline_timeline
-from tools.jobs import machine_summary, output, run, shared_file, torchrun
+from harness.jobs import machine_summary, output, run, shared_file, torchrun
 from utils.gpt import help_pages
 from utils.metrics import RUN_DIR_VARIABLE
 

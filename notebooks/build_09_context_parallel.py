@@ -17,7 +17,7 @@ a **ring** (each rank's block passes from rank to rank, cp steps, merged by an o
 This notebook draws which rank computes which part of the causal attention under the two ways of cutting a
 sequence, runs the step on 2 CPU processes, and checks it against one process training on whole sequences."""),
     new_code_cell("""from nbhelpers import print_job, scratch, show_diff
-from tools.jobs import machine_summary, output, run, shared_file, torchrun
+from harness.jobs import machine_summary, output, run, shared_file, torchrun
 from utils.gpt import help_pages
 from utils.metrics import RUN_DIR_VARIABLE
 
@@ -75,7 +75,7 @@ job = run(torchrun("context_parallel.py", 2, 1, "--workload", "gpt-cpu", "--text
           cwd=scratch("ring"), env={RUN_DIR_VARIABLE: "runs"}, timeout=240, shared=True)
 print_job(job)"""),
     new_markdown_cell("""One process, the same GPT, the same batches in the same order, on whole sequences
-(`tools/one_process.py`, the reference the tests and the workshop checker use too): what the two ranks must have
+(`harness/one_process.py`, the reference the tests and the workshop checker use too): what the two ranks must have
 computed together. Each epoch's mean loss of the job is the mean over both ranks' tokens (each rank's
 metrics file holds its own half)."""),
     new_code_cell("""# NBVAL_CHECK_OUTPUT
@@ -83,7 +83,7 @@ import json
 
 import torch
 
-from tools.one_process import train_gpt
+from harness.one_process import train_gpt
 
 alone = train_gpt(text, batch_size=8, epochs=2, context=64)  # AdamW, the schedule, clipping: the step's loop
 records = [json.loads(line) for rank in (0, 1) for line in (job.cwd / "runs" / f"rank{rank}.jsonl").open()]

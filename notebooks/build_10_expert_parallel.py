@@ -19,7 +19,7 @@ times; a token's compute grows top_k times. More weights to learn with, for the 
 sends each token to the rank of its expert. This notebook draws that traffic, runs the step on 2 CPU processes
 against one process, and shows what the router does to the experts' load with and without a load-balancing loss."""),
     new_code_cell("""from nbhelpers import print_job, scratch, show_diff
-from tools.jobs import machine_summary, run, shared_file, torchrun
+from harness.jobs import machine_summary, run, shared_file, torchrun
 from utils.gpt import help_pages
 from utils.metrics import RUN_DIR_VARIABLE
 
@@ -90,13 +90,13 @@ job = run(torchrun("expert_parallel.py", 2, 1, "--workload", "gpt-moe-cpu", "--t
           cwd=scratch("equal"), env={RUN_DIR_VARIABLE: "runs"}, timeout=240, shared=True)
 print_job(job)"""),
     new_markdown_cell("""One process, the same mixture of experts, the same batches of 8 in the same order, every
-expert at hand (`tools/one_process.py`, the reference the tests use too). The aux loss counts each expert's share of
+expert at hand (`harness/one_process.py`, the reference the tests use too). The aux loss counts each expert's share of
 the whole batch's tokens, as one process does, so the two ranks must together compute what it computes: the job's
 loss of an epoch is the mean over both ranks' samples."""),
     new_code_cell("""# NBVAL_CHECK_OUTPUT
 import json
 
-from tools.one_process import train_gpt
+from harness.one_process import train_gpt
 
 alone = train_gpt(text, 8, 2, workload="gpt-moe-cpu", aux_weight=0.01, top_k=2)["losses"]
 records = [json.loads(line) for rank in (0, 1) for line in (job.cwd / "runs" / f"rank{rank}.jsonl").open()]

@@ -24,7 +24,7 @@ process's, and resumes its snapshot on a single process."""),
 import shutil
 
 from nbhelpers import print_job, scratch, show_diff
-from tools.jobs import machine_summary, run, shared_file, torchrun
+from harness.jobs import machine_summary, run, shared_file, torchrun
 from utils.gpt import help_pages
 from utils.metrics import RUN_DIR_VARIABLE
 
@@ -153,12 +153,12 @@ job with it, 35 KiB instead of 583 on the ranks of pp 0, 160 instead of 708 on t
 ## The same training as one process
 
 One process, the same GPT from the same initial weights, the same batches of 8 in the same order
-(`tools/one_process.py`, the reference the tests use too): 3 epochs, and a fourth for the resume below, the schedule's
+(`harness/one_process.py`, the reference the tests use too): 3 epochs, and a fourth for the resume below, the schedule's
 cosine ending after the third as the job's does. The job's loss of an epoch is the mean over the samples of the two
 ranks that count them (the first tp rank of each dp group's last stage); its final weights are in
 `mesh_model_full.pt`, the whole model rank 0 wrote, weight by weight, as one plain file."""),
     new_code_cell("""# NBVAL_CHECK_OUTPUT
-from tools.one_process import train_gpt
+from harness.one_process import train_gpt
 
 reference = train_gpt(text, 8, 4, 3, drop_last=True)
 

@@ -39,7 +39,7 @@ import shutil
 import torch
 
 from nbhelpers import print_job, scratch, show_diff
-from tools.jobs import machine_summary, output, run, torchrun
+from harness.jobs import machine_summary, output, run, torchrun
 from tools.prepare_data import short_help_pages
 from utils import SEED, step_snapshot
 from utils.data import IGNORE, Shares, TokenFile, batch_range, global_batch, read_meta

@@ -38,7 +38,7 @@ weights against the survivor's."""),
 import matplotlib.pyplot as plt
 
 from nbhelpers import scratch, show_diff
-from tools.jobs import free_port, lighthouse, machine_summary, output, replica_groups, shown, start
+from harness.jobs import free_port, lighthouse, machine_summary, output, replica_groups, shown, start
 
 print(machine_summary())"""),
     new_markdown_cell("""## The diff from step 5

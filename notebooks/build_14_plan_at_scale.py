@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt
 
 from nbhelpers import scratch
 import plan_at_scale
-from tools.jobs import machine_summary, output, run, shared_file, shown, torchrun
+from harness.jobs import machine_summary, output, run, shared_file, shown, torchrun
 from utils.estimates import GPUS
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
 

@@ -1,9 +1,9 @@
 """The walkthrough notebooks' pictures: a step's code and diff, the loss per epoch, who trained on which sample, the
 timeline of a fault, the ranks of a multi-node job, the memory each rank holds.
 
-The notebooks run the steps themselves, as real processes, through tools/jobs (the job runner of the tests, the
+The notebooks run the steps themselves, as real processes, through harness/jobs (the job runner of the tests, the
 exercise checker and the demo); everything drawn here comes from a finished job: the lines it printed, and what its
-processes recorded (tools/jobs/recorder/sitecustomize.py: the samples each rank trained on, who saved which file).
+processes recorded (harness/jobs/recorder/sitecustomize.py: the samples each rank trained on, who saved which file).
 """
 import sys
 import tempfile
@@ -15,8 +15,8 @@ sys.path.insert(0, str(REPO))  # the notebooks run from notebooks/: the reposito
 import matplotlib.pyplot as plt  # noqa: E402
 from IPython.display import Markdown, display  # noqa: E402
 
-from tools.jobs import output, shown  # noqa: E402
-from tools.stepdiff import changed_lines, step_diff  # noqa: E402
+from harness.jobs import output, shown  # noqa: E402
+from harness.stepdiff import changed_lines, step_diff  # noqa: E402
 
 __all__ = ["print_job", "plot_layout", "plot_losses", "plot_memory", "plot_mesh", "plot_shards", "plot_slices",
            "plot_timeline", "scratch", "shard_facts", "show_code", "show_diff"]
@@ -230,7 +230,7 @@ def plot_slices(job, heads=None):
     drawn to its shape (rows: its outputs, columns: its inputs), coloured by the tp rank that computes with that part;
     the lighter band of each part is what its other dp rank stores (FSDP splits every tp slice once more). With
     `heads` (the model's), the row slices of q, k and v are labelled with the heads they compute."""
-    from tools.jobs.output import slices
+    from harness.jobs.output import slices
 
     rows = slices(job.output)
     matrices = list(dict.fromkeys(row["matrix"] for row in rows))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tools.jobs import output, saved_name, script, shared_file
+from harness.jobs import output, saved_name, script, shared_file
 from utils import make_workload
 from utils.gpt import help_pages
 
@@ -25,7 +25,7 @@ EXCERPT_CHARS = 4600
 
 
 def help_excerpt():
-    """The excerpt as a file named by its content (tools.jobs.shared_file): the test files' and the notebooks' jobs
+    """The excerpt as a file named by its content (harness.jobs.shared_file): the test files' and the notebooks' jobs
     that learn it name the same file, so a job they share runs once in a test session."""
     return shared_file("help_excerpt.txt", help_pages()[:EXCERPT_CHARS])
 

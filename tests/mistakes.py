@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from exercises.judging import JOB_LIMIT_S
-from tools.jobs import REPO
+from harness.jobs import REPO
 
 INDEPENDENT = Path(__file__).resolve().parent / "independent"
 # A test that runs a check waits longer than the check itself may take: its jobs (JOB_LIMIT_S) and the references it

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from expect import LIBRARY_NOISE, snapshot_of, stopped_as_rank_0
-from tools.jobs import output, python, run, script, torchrun
-from tools.stepdiff import steps
+from harness.jobs import output, python, run, script, torchrun
+from harness.stepdiff import steps
 
 STEPS = steps()
 TORCHRUN_STEPS = [step for step in STEPS if step not in ("single_gpu.py", "multigpu.py")]

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from benchmarks import one_mesh as benchmark
-from tools.jobs import PYTHON, run, script
+from harness.jobs import PYTHON, run, script
 
 
 def passes(*spans):

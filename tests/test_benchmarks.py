@@ -1,6 +1,6 @@
 """The benchmarks' reports, each on figures made up here (the table's rows, the ratios, the verdict on both sides of
 its goal, the plot), and a few benchmarks run end to end with tiny settings, to show that what they measure is what
-their reports read: torchrun jobs through tools/jobs with a worker killed (recovery.py and restarts.py, each its own
+their reports read: torchrun jobs through harness/jobs with a worker killed (recovery.py and restarts.py, each its own
 way), and workers started by spawned_result (pipeline_bubble.py: the recorder's timings of the stages' passes;
 communication.py: CommDebugMode's counts and the ring's sends; context_parallel.py: the attention's counted scores and
 its memory), and process_cost.py on the two imports (the CPU time of finished processes, also proven on a command
@@ -13,7 +13,7 @@ from argparse import Namespace
 
 import pytest
 
-from tools.jobs import PYTHON, REPO, run, script
+from harness.jobs import PYTHON, REPO, run, script
 
 
 def benchmark(name):
@@ -296,7 +296,7 @@ def test_gpt_heads_trains_both_head_counts_from_the_same_weights_on_the_same_bat
 
 @pytest.mark.slow
 def test_recovery_times_a_real_kill_against_a_cold_start(monkeypatch, capsys):
-    """A torchrun job through tools/jobs, its worker SIGKILLed and resumed by torchrun: the timeline and the moments
+    """A torchrun job through harness/jobs, its worker SIGKILLed and resumed by torchrun: the timeline and the moments
     measure() takes are the ones report() reads."""
     text = run_benchmark(monkeypatch, capsys, "recovery.py", "--epochs", 6, "--save_every", 2, "--kill_after", 3,
                          "--nproc", 1)  # one worker per attempt is enough to time a restart

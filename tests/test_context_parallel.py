@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from expect import (assert_a_peer_gone_is_one_line_a_rank, assert_bitwise_equal, assert_only_own_lines, epoch_losses,
                     farthest, stopped_as_rank_0)
-from tools.jobs import free_port, output, run, torchrun, torchrun_node
-from tools.one_process import tensors, train_gpt
+from harness.jobs import free_port, output, run, torchrun, torchrun_node
+from harness.one_process import tensors, train_gpt
 from utils import evaluate, make_workload
 from utils.context import Ring, gathered_attention, positions_of, ring_attention
 from utils.metrics import RUN_DIR_VARIABLE
@@ -212,7 +212,7 @@ def test_the_ring_and_the_all_gather_compute_whole_attention_and_its_gradients()
     gradients of its q, k and v equal whole causal attention's at its positions, on a ring of 4, on two rings of 2
     inside it (their ranks' global numbers are not their ring's), with the contiguous split, and with dropout (the
     ring's masks, the same in forward and backward)."""
-    from tools.jobs import spawned_result
+    from harness.jobs import spawned_result
     results = spawned_result(attention_worker, (free_port(),), 4, 120, "the attention workers")
     assert set(results) == {"ring of 4: ring", "ring of 4: allgather", "ring of 2: ring", "ring of 2: allgather",
                             "ring of 4, contiguous: ring", "ring of 4, contiguous: allgather",
@@ -281,7 +281,7 @@ def traffic_worker(rank, port, result_path):
 @pytest.fixture(scope="module")
 def ring_logs():
     """Each of the 4 ranks' logs (traffic_worker): for the ring of 4 and its ring of 2."""
-    from tools.jobs import spawned_result
+    from harness.jobs import spawned_result
     return spawned_result(traffic_worker, (free_port(),), 4, 120, "the traffic workers")
 
 

@@ -5,7 +5,7 @@ import re
 import pytest
 
 import tools.demo as demo
-from tools.jobs import python
+from harness.jobs import python
 
 
 @pytest.fixture

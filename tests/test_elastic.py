@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tools.jobs import free_port, output, start, torchrun_node
+from harness.jobs import free_port, output, start, torchrun_node
 
 pytestmark = pytest.mark.slow
 EPOCHS, SAVE_EVERY = 12, 2

@@ -10,7 +10,7 @@ from exercises.inside import ddp_by_hand
 from exercises.inside.ddp_by_hand import (bucket_sizes, communication_problems, global_batches, steps_of,
                                           weights_problems)
 from mistakes import CHECKING, exercise_problems, seeded, written
-from tools.jobs import REPO
+from harness.jobs import REPO
 
 pytestmark = CHECKING  # the slow tests run checks
 

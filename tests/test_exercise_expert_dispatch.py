@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from exercises.inside.expert_dispatch import (ROUND_FILE, crash_problems, exercise_rounds, input_problems,
                                               load_rounds, traffic_problems, value_problems, whole_layer)
 from mistakes import CHECKING, exercise_problems, seeded, written
-from tools.jobs import REPO
+from harness.jobs import REPO
 
 pytestmark = CHECKING  # the slow tests run checks
 

@@ -10,7 +10,7 @@ from exercises.inside.fsdp_choices import (global_batches, granularity_problems,
                                            peak_problems, plain_problems, records_problems, reference,
                                            result_problems, step_losses)
 from mistakes import CHECKING, exercise_problems, seeded, written
-from tools.jobs import REPO
+from harness.jobs import REPO
 
 pytestmark = CHECKING  # the slow tests run checks
 

@@ -11,7 +11,7 @@ from exercises.inside.hang_clinic import (CASE_TIMEOUT_S, CASES, GAVE_UP, RANKS,
                                           hang_problems, one_rank_collectives, parting, read_diagnosis,
                                           reference_results, result_problems, solution_traffic, traffic_problems)
 from mistakes import CHECKING, exercise_problems, seeded, written
-from tools.jobs import REPO, start, torchrun
+from harness.jobs import REPO, start, torchrun
 
 pytestmark = CHECKING  # the slow tests run checks
 

@@ -9,7 +9,7 @@ from exercises.inside.pipeline_by_hand import (MICROBATCHES, expected_order, gra
                                                memory_problems, merged, order_problems, passes_of, unseen_problems,
                                                wait_problems, weight_problems)
 from mistakes import CHECKING, exercise_problems, seeded, written
-from tools.jobs import REPO
+from harness.jobs import REPO
 
 pytestmark = CHECKING  # the slow tests run checks
 

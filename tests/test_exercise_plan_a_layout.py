@@ -6,7 +6,7 @@ import pytest
 
 from exercises.inside import plan_a_layout
 from mistakes import exercise_problems
-from tools.jobs import REPO
+from harness.jobs import REPO
 
 GiB = 2**30
 

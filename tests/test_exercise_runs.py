@@ -9,7 +9,7 @@ import pytest
 
 from exercises.check import EXERCISES, SOLUTIONS
 from mistakes import exercise_problems, seeded
-from tools.jobs import PYTHON, REPO, run, script
+from harness.jobs import PYTHON, REPO, run, script
 
 pytestmark = pytest.mark.slow  # every test here starts a job of processes
 

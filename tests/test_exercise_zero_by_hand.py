@@ -11,7 +11,7 @@ from exercises.inside import zero_by_hand as checker
 from exercises.inside.zero_by_hand import (averaging_problems, communication_problems, crash_problems,
                                            gradient_problems, merged, state_problems, weights_problems)
 from mistakes import CHECKING, exercise_problems, seeded, written
-from tools.jobs import REPO
+from harness.jobs import REPO
 
 pytestmark = CHECKING  # the slow tests run checks
 

@@ -14,7 +14,7 @@ from exercises.check import (ACCUM_EPOCHS, EXERCISES, KILLED_EPOCH, SOLUTIONS, a
                              loss_problems, order_problems, process_problems, restart_problems, resume_problems,
                              saved_state_problems, shard_problems, teardown_problems, two_d_problems, writer_problems,
                              context_problems)
-from tools.jobs import PYTHON, REPO, run
+from harness.jobs import PYTHON, REPO, run
 from utils import make_workload
 from utils.gpt import help_pages
 

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 from expect import (assert_a_peer_gone_is_one_line_a_rank, assert_only_own_lines, epoch_losses, farthest,
                     rank_records, sharded_snapshot, stopped_as_rank_0)
-from tools.jobs import free_port, output, run, shared_file, spawned_result, torchrun, torchrun_node
-from tools.one_process import tensors, train_gpt
-from tools.routes import first_flip, job_steps, reference_with_routes
+from harness.jobs import free_port, output, run, shared_file, spawned_result, torchrun, torchrun_node
+from harness.one_process import tensors, train_gpt
+from harness.routes import first_flip, job_steps, reference_with_routes
 from utils import evaluate, make_workload
 from utils.gpt import GPTConfig, help_pages
 from utils.metrics import RUN_DIR_VARIABLE
@@ -379,7 +379,7 @@ AFTER_A_FLIP = 0.05
 @pytest.fixture(scope="module")
 def realistic(tmp_path_factory):
     """--ep 2 on 2 ranks, top-1, 16 sequences a rank, 2 epochs (36 optimizer steps), recorded: every rank's loss and
-    routes step by step; one process on the same batches of 32, watched (tools/routes.py); and one process on other
+    routes step by step; one process on the same batches of 32, watched (harness/routes.py); and one process on other
     batches (16 a step)."""
     text = shared_file("help_40k.txt", help_pages()[:REALISTIC_CHARS])
     job = expert_parallel(tmp_path_factory.mktemp("realistic"), text, REALISTIC_EPOCHS, "--ep", 2, "--top_k", 1,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from expect import assert_bitwise_equal
-from tools.jobs import output, run, script, start, torchrun
+from harness.jobs import output, run, script, start, torchrun
 from utils import make_workload
 
 EPOCHS, SAVE_EVERY = 9, 3  # snapshots after epochs 2, 5 and 8

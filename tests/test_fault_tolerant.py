@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from expect import PEER_GONE, assert_only_own_lines
-from tools import stepdiff
-from tools.jobs import (PYTHON, REPO, environment, free_port, kill_when_training_together, lighthouse, next_heal,
+from harness import stepdiff
+from harness.jobs import (PYTHON, REPO, environment, free_port, kill_when_training_together, lighthouse, next_heal,
                         output, replica_groups, run, start, torchrun)
-from tools.jobs.processes import descendant_pids, listening
+from harness.jobs.processes import descendant_pids, listening
 from tools.netns import namespaces_unavailable, network_namespaces
 from utils.replicas import CheckpointOverHTTP
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from expect import small_disk, snapshot_of
-from tools.jobs import REPO, free_port, output, python, run, start, torchrun, torchrun_node
-from tools.jobs.processes import child_pids
+from harness.jobs import REPO, free_port, output, python, run, start, torchrun, torchrun_node
+from harness.jobs.processes import child_pids
 from utils import attempt_store, make_workload, replacing, writable_path
 
 STARTUP = 60  # generous: starting torchrun and its workers takes 5 s here, 20 s on a loaded 2-core machine

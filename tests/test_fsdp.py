@@ -12,9 +12,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import TensorDataset
 
-from tools.jobs import FRESH_STORE, output, run, start, torchrun
-from tools.jobs.output import epoch_losses, memory_tables
-from tools.jobs import free_port
+from harness.jobs import FRESH_STORE, output, run, start, torchrun
+from harness.jobs.output import epoch_losses, memory_tables
+from harness.jobs import free_port
 from utils import evaluate, exit_without_teardown, make_workload
 
 EPOCHS = 2
@@ -213,7 +213,7 @@ def test_fsdp_on_cpu_processes_is_refused_with_one_line_where_torch_trains_them_
     import runpy
     import sys
 
-    from tools.jobs import script
+    from harness.jobs import script
     from utils import require_torch_for_fsdp
 
     monkeypatch.chdir(tmp_path)

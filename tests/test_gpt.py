@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from expect import EXCERPT_CHARS, assert_bitwise_equal, assert_one_writer
-from tools.jobs import output, run, script, start, torchrun
+from harness.jobs import output, run, script, start, torchrun
 from utils import evaluate, make_workload
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages
 from utils.loop import PEAK_VARIABLE, WarmupCosine, compiler_missing, peak_flops

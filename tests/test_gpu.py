@@ -4,14 +4,14 @@ import re
 import pytest
 import torch
 
-from tools.jobs import free_port, python, run, torchrun, torchrun_node
+from harness.jobs import free_port, python, run, torchrun, torchrun_node
 
 pytestmark = pytest.mark.gpu
 EPOCHS = 3
 
 
 def assert_learned_on_cuda(text):
-    from tools.jobs.output import epoch_losses
+    from harness.jobs.output import epoch_losses
 
     losses = epoch_losses(text)
     assert sorted(losses) == list(range(EPOCHS)) and losses[EPOCHS - 1] < 0.5 * losses[0], text

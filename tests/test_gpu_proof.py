@@ -14,8 +14,8 @@ import torch
 
 from benchmarks import gpu_proof
 from tools import memory_plan
-from tools.jobs import PYTHON, shared_file
-from tools.shown_commands import gpu_commands
+from harness.jobs import PYTHON, shared_file
+from harness.shown_commands import gpu_commands
 from utils.gpt import GPT, GPTConfig, flops_per_token, help_pages, make_optimizer, next_token_loss, text_needed
 
 # A GPT small enough to count by hand: 1 block, 4 wide, 1 head, a context of 2, 3 characters.

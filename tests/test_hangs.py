@@ -7,8 +7,8 @@ import time
 import pytest
 
 from expect import PEER_GONE, assert_only_own_lines
-from tools.jobs import free_port, output, run, start, torchrun, torchrun_node
-from tools.jobs.processes import alive
+from harness.jobs import free_port, output, run, start, torchrun, torchrun_node
+from harness.jobs.processes import alive
 from utils.launch import known_cause
 
 STARTUP = 60  # generous: starting torchrun and its workers takes 3 s here, 20 s on a loaded 2-core machine

@@ -1,4 +1,4 @@
-"""tools/jobs, the one way the tests, the checker, the demo and the notebooks run jobs, in this process: a slow disk
+"""harness/jobs, the one way the tests, the checker, the demo and the notebooks run jobs, in this process: a slow disk
 that needs no recording, and the steps' own lines told apart from what the launchers print around them."""
 import os
 import runpy
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tools.jobs import REPO, RECORDER, SHARED_VARIABLE, Job, environment, output, run, shared_file
+from harness.jobs import REPO, RECORDER, SHARED_VARIABLE, Job, environment, output, run, shared_file
 
 
 def test_slow_save_makes_every_save_slower_without_the_recorder_on(tmp_path, monkeypatch):
@@ -58,7 +58,7 @@ def test_a_shared_job_that_several_ask_for_at_once_runs_once_and_each_gets_its_r
     asker = f"""
 import sys
 sys.path.insert(0, {str(REPO)!r})
-from tools.jobs import run, shared_file
+from harness.jobs import run, shared_file
 text = shared_file("greeting.txt", "hello")
 command = [sys.executable, "-c", "import sys, time; open(sys.argv[1], 'a').write('x'); time.sleep(1); "
            "print(open(sys.argv[2]).read())", {str(counter)!r}, str(text)]

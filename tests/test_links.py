@@ -1,12 +1,12 @@
 """Every link of the front page, docs/ and the notebooks leads somewhere: relative links to files that exist,
-#anchors to headings of their target, with the ids GitHub gives headings (tools/doclinks.py)."""
+#anchors to headings of their target, with the ids GitHub gives headings (harness/doclinks.py)."""
 import re
 from pathlib import Path
 
 import pytest
 
-from tools import doclinks
-from tools.jobs import REPO
+from harness import doclinks
+from harness.jobs import REPO
 
 
 @pytest.mark.parametrize("page", doclinks.pages(), ids=lambda page: str(page.relative_to(REPO)))

@@ -33,7 +33,7 @@ import torch
 from expect import (assert_a_peer_gone_is_one_line_a_rank, assert_bitwise_equal, assert_only_own_lines, farthest,
                     sharded_snapshot, small_disk, stopped_as_rank_0)
 from tools import plot_metrics
-from tools.jobs import REPO, output, run, torchrun
+from harness.jobs import REPO, output, run, torchrun
 from tools.prepare_data import short_help_pages
 from tools.seed_checkpoint import seed_checkpoint_beside
 from utils import SEED, snapshot_to_resume, step_snapshot

@@ -22,7 +22,7 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _Com
 from benchmarks.one_mesh import CATEGORIES, plan_layouts, replay
 from expect import EXCERPT_CHARS, help_excerpt, rank_records
 from tools import memory_plan
-from tools.jobs import PYTHON, run, script, torchrun
+from harness.jobs import PYTHON, run, script, torchrun
 from tools.memory_plan import ACTIVATION_TOLERANCE, BIG, Layout, check, compare, config_of, plan, schedule, split
 from utils import make_workload
 from utils.gpt import SIZES

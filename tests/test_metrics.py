@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tools import plot_metrics
-from tools.jobs.output import epoch_losses
+from harness.jobs.output import epoch_losses
 from utils import make_workload
 
 

@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from expect import (assert_a_peer_gone_is_one_line_a_rank, assert_bitwise_equal, assert_only_own_lines, farthest,
                     rank_records, sharded_snapshot, stopped_as_rank_0)
-from tools.jobs import free_port, output, run, shared_file, spawned_result, start, torchrun, torchrun_node
+from harness.jobs import free_port, output, run, shared_file, spawned_result, start, torchrun, torchrun_node
 from tools.memory_plan import Layout, check, compare, config_of
-from tools.one_process import train_gpt
+from harness.one_process import train_gpt
 from tools.seed_checkpoint import seed_checkpoint_beside
 from utils import SEED, make_workload
 from utils.snapshot_reader import load_seed_checkpoint

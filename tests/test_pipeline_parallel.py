@@ -23,8 +23,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from expect import assert_bitwise_equal, sharded_snapshot, stopped_as_rank_0
 from tools import pipeline_timeline
-from tools.jobs import free_port, output, run, torchrun, torchrun_node
-from tools.one_process import train_gpt
+from harness.jobs import free_port, output, run, torchrun, torchrun_node
+from harness.one_process import train_gpt
 from utils import make_workload
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE
 from utils.metrics import RUN_DIR_VARIABLE

@@ -1,6 +1,6 @@
 """Step 14, plan_at_scale.py: the planner runs the steps' own code for one rank of a job of any size, in one process,
 and what it counts is what real jobs do. Against real gloo jobs of five steps (DDP, FSDP, 2D, pp x dp x tp, EP), every
-rank, recorded by tools/jobs' traffic plugin: every collective of a step (kind, group, bytes) and the weights,
+rank, recorded by harness/jobs' traffic plugin: every collective of a step (kind, group, bytes) and the weights,
 gradients and optimizer state each rank holds, to the byte; the activations autograd keeps, to the byte (the mixture
 of experts, whose router sends each rank a share of tokens that depends on the data: over its ep group). Against
 tools/memory_plan.py's arithmetic at 8, 64 and 1,024 ranks: the same figures. The napkin math (utils/estimates.py)
@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 import plan_at_scale
-from tools.jobs import run, torchrun
+from harness.jobs import run, torchrun
 from tools.memory_plan import ACTIVATION_TOLERANCE, Layout, config_of
 from utils.estimates import GPUS, device_flops, mfu, recomputed_flops, step_time, textbook
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, SHAPES, flops_per_token

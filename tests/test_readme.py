@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from tools import stepdiff
-from tools.jobs import REPO
+from harness import stepdiff
+from harness.jobs import REPO
 
 README = (REPO / "README.md").read_text()
 PAIRS = stepdiff.pairs()
@@ -16,7 +16,7 @@ PAIRS = stepdiff.pairs()
 @pytest.mark.parametrize("page", stepdiff.pages(), ids=lambda page: str(page.relative_to(REPO)))
 def test_the_diffs_of_every_page_are_generated_from_the_scripts(page):
     text = page.read_text()
-    assert stepdiff.render(text) == text, f"{page.name} is stale: run `python tools/stepdiff.py --write`"
+    assert stepdiff.render(text) == text, f"{page.name} is stale: run `python harness/stepdiff.py --write`"
 
 
 def test_a_stale_diff_is_noticed():
@@ -38,7 +38,7 @@ def test_every_step_shows_its_diff_against_the_one_it_builds_on(old, new):
 
 @pytest.mark.parametrize("old, new", PAIRS)
 def test_each_step_builds_on_the_earlier_step_it_differs_least_from(old, new):
-    """The chain (tools/stepdiff.py) says which step each script is a diff of; the files must bear it out. gpt.py
+    """The chain (harness/stepdiff.py) says which step each script is a diff of; the files must bear it out. gpt.py
     trains with DDP, so it is a smaller diff of multinode.py than of fsdp.py, the step just before it. Where two
     earlier steps are as close (pipeline_parallel.py: gpt.py's loop, with a sharded snapshot that is neither gpt.py's
     nor multinode.py's), the chain names one of them: the one whose lesson it goes on from."""
@@ -59,7 +59,7 @@ def test_each_step_is_a_small_diff_of_the_previous_one(old, new):
 
 @pytest.mark.parametrize("name", stepdiff.steps()[1:])
 def test_a_step_over_the_goal_of_its_part_says_why_in_its_row_and_no_other_does(name):
-    """tools/stepdiff.STEPS is the one table of parents and budgets: a budget above its part's goal (60 changed lines
+    """harness/stepdiff.STEPS is the one table of parents and budgets: a budget above its part's goal (60 changed lines
     for steps 2-6, 120 for 7-11, 160 for 12-13) carries its one-line reason, and a reason never stands beside a budget
     that needs none (it would outlive the lines it excused)."""
     limit, why = stepdiff.goal(name)

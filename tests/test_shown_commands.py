@@ -20,9 +20,9 @@ import torch
 import utils
 import utils.loop
 import utils.replicas
-from tools import stepdiff
-from tools.jobs import REPO, script
-from tools.shown_commands import PREPARES, parsed, readme_gpu_column, shown_commands
+from harness import stepdiff
+from harness.jobs import REPO, script
+from harness.shown_commands import PREPARES, parsed, readme_gpu_column, shown_commands
 
 
 def prepare_as_shown(command):

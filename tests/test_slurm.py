@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from expect import assert_learned, assert_one_writer
-from tools.jobs import REPO, environment, recorded_writes
+from harness.jobs import REPO, environment, recorded_writes
 from tools.minislurm import slurm_cluster, slurm_unavailable
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def cluster():
 
 
 def test_sbatch_script_trains_on_two_slurm_nodes_with_one_writer(cluster, tmp_path):
-    # sbatch passes its environment on to the job (--export=ALL): the recorder of tools/jobs goes with it
+    # sbatch passes its environment on to the job (--export=ALL): the recorder of harness/jobs goes with it
     env = environment({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "NPROC_PER_NODE": "1",
                        **cluster.env_overrides}, record_dir=tmp_path)
     submitted = cluster.command("sbatch", "--parsable", f"--chdir={tmp_path}", REPO / "slurm/multinode.sbatch",

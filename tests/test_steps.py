@@ -23,7 +23,7 @@ import single_gpu
 import tools.demo as demo
 from expect import assert_learned, assert_loads_into_fresh_model, assert_one_writer
 from tools import plot_metrics
-from tools.jobs import free_port, output, run, saved_name, start, torchrun, torchrun_node
+from harness.jobs import free_port, output, run, saved_name, start, torchrun, torchrun_node
 from utils import make_workload
 from utils.gpt import TEXT_VARIABLE, help_pages
 
@@ -540,7 +540,7 @@ def test_no_step_sends_a_pickle_of_its_own_only_torchs_checkpoint_does(demo_run)
     random states, the arguments and the --verbose tables go as bytes (utils/collectives.py), the whole model as
     tensors. What calls them is torch's own code: DCP exchanges its plans so, in the steps that save sharded
     snapshots, and the steps cannot change that (recorded, with each call's caller)."""
-    from tools.jobs import REPO
+    from harness.jobs import REPO
 
     called = {script: job.records("objects.jsonl") for script, job in demo_run["jobs"].items()}
     ours = {script: rows for script, rows in called.items()

@@ -19,7 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from expect import assert_bitwise_equal, sharded_snapshot, stopped_as_rank_0
 from tools import figures
-from tools.jobs import free_port, output, run, torchrun, torchrun_node
+from harness.jobs import free_port, output, run, torchrun, torchrun_node
 from utils import evaluate, make_workload, require_written_by
 from utils.snapshot_reader import SnapshotReader
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, CausalSelfAttention

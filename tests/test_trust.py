@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from expect import assert_only_own_lines
-from tools.jobs import REPO, TORCHRUN, free_port, output, run, script, start, torchrun
-from tools.jobs.processes import alive, listening, process_env
+from harness.jobs import REPO, TORCHRUN, free_port, output, run, script, start, torchrun
+from harness.jobs.processes import alive, listening, process_env
 
 COMMAND = ("multigpu_torchrun.py", 40, 10, "--batch_size", 8, "--timeout", 10)  # 40 epochs: about 10 s here
 STARTUP = 60
@@ -249,7 +249,7 @@ def test_every_sharded_load_goes_through_the_snapshot_reader():
     """Every dcp.load of the steps, tools, utils and exercises names its reader (a SnapshotReader): one that names a
     checkpoint_id alone would read the folder with torch's own reader, pickles and rank files included."""
     loads = {}
-    for path in [*REPO.glob("*.py"), *REPO.glob("utils/*.py"), *REPO.glob("tools/*.py"),
+    for path in [*REPO.glob("*.py"), *REPO.glob("utils/*.py"), *REPO.glob("tools/*.py"), *REPO.glob("harness/*.py"),
                  *REPO.glob("exercises/**/*.py")]:
         for call in re.findall(r"dcp\.load\(([^)]*)\)", path.read_text()):
             loads.setdefault(path.relative_to(REPO).as_posix(), []).append(call)

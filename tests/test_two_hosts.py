@@ -6,7 +6,7 @@ link, as on a cluster. The commands are the ones `make two-hosts` prints (tools/
 import pytest
 
 from expect import assert_learned, assert_one_writer
-from tools.jobs import run
+from harness.jobs import run
 from tools.netns import namespaces_unavailable, network_namespaces
 from tools.two_hosts import node_command
 

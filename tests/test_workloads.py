@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from expect import assert_bitwise_equal
-from tools.jobs import PYTHON, REPO, free_port, run, script, torchrun
+from harness.jobs import PYTHON, REPO, free_port, run, script, torchrun
 from utils import WORKLOADS, evaluate, exit_without_teardown, make_workload
 from utils.vision import FAKEDATA_SIZES
 

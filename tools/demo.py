@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
-from tools.jobs import (REPO, free_port, lighthouse, machine_summary, output, python, replica_groups,  # noqa: E402
+from harness.jobs import (REPO, free_port, lighthouse, machine_summary, output, python, replica_groups,  # noqa: E402
                         run, shown, start, torchrun, torchrun_node)
 from utils.estimates import GPUS as GPU_SHAPES  # noqa: E402
 from utils.gpt import TEXT_VARIABLE, help_pages  # noqa: E402

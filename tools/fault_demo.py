@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.jobs import output, start, torchrun  # noqa: E402
-from tools.jobs.output import Narrator  # noqa: E402
+from harness.jobs import output, start, torchrun  # noqa: E402
+from harness.jobs.output import Narrator  # noqa: E402
 
 EPOCHS, SAVE_EVERY, KILL_AFTER = 8, 2, 4  # snapshots after epochs 1, 3, 5, 7; the kill lands in epoch 5
 ARGS = (EPOCHS, SAVE_EVERY, "--batch_size", 8)

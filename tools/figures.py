@@ -1,4 +1,4 @@
-"""The pictures of the steps' pages, each drawn from a real run of the step: the run goes through tools/jobs, as a
+"""The pictures of the steps' pages, each drawn from a real run of the step: the run goes through harness/jobs, as a
 test's does, and what it printed, recorded or saved is drawn with matplotlib into docs/figures/<page>.png.
 
     python tools/figures.py                      # every figure: one or two short jobs of each step
@@ -8,7 +8,7 @@ test's does, and what it printed, recorded or saved is drawn with matplotlib int
 Each figure is named by the page that shows it (docs/fsdp.md shows figures/fsdp.png) and says at its foot the command
 it was drawn from and how busy the machine was. What is drawn comes from the run only: who holds which block of a
 weight is read from the run's sharded snapshot (its .metadata names the file, one per rank, that holds each block),
-the pipeline's passes and the routers' choices from the job runner's recorder (tools/jobs/recorder), the ring's sends
+the pipeline's passes and the routers' choices from the job runner's recorder (harness/jobs/recorder), the ring's sends
 from its record of every collective, the memory from the tables `--verbose` prints. The seven of steps 5-11 took 33 minutes on a
 shared 2-core machine at load 20 to 40 (the expert-parallel one, an epoch of the help pages, the longest: 8 minutes);
 the four of steps 1-4 took 2.5 to 8.5 minutes each at load 15 to 38 (step 3's, two restarts, the longest); step 13's,
@@ -30,16 +30,16 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as `python tools/figures.py`: the repository's packages
 
 from tools import pipeline_timeline  # noqa: E402
-from tools.jobs import (free_port, lighthouse, machine_summary, next_heal, output, python,  # noqa: E402
+from harness.jobs import (free_port, lighthouse, machine_summary, next_heal, output, python,  # noqa: E402
                         replica_groups, run, shared_file, shown, start, torchrun, torchrun_node)
-from tools.jobs.processes import process_env  # noqa: E402
+from harness.jobs.processes import process_env  # noqa: E402
 from utils.gpt import DROPOUT_VARIABLE, TEXT_VARIABLE, help_pages  # noqa: E402
 from utils.metrics import RUN_DIR_VARIABLE  # noqa: E402
 
 FOLDER = REPO / "docs" / "figures"
 RANK_COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive"]
 # The excerpt of the help pages that the GPT steps' exact jobs learn (64 training sequences of 64 characters): the
-# jobs below that learn it are the tests' own, and in a test session run once for both (tools.jobs.run(shared=True)).
+# jobs below that learn it are the tests' own, and in a test session run once for both (harness.jobs.run(shared=True)).
 EXCERPT_CHARS = 4600
 
 

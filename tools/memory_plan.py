@@ -290,7 +290,7 @@ def plan(config, layout, device="cuda"):
 def compare(records_by_rank, config, layout):
     """[(rank, field, planned, measured)] for params, grads, optim and activation_bytes of every rank of a CPU job of
     one_mesh.py: `records_by_rank` {rank: its runs/rank<R>.jsonl record} of one epoch, of a job run without the
-    recorder (tools/jobs' record=True counts each stage's forward itself, which hides them from the step's count)."""
+    recorder (harness/jobs' record=True counts each stage's forward itself, which hides them from the step's count)."""
     fields = {"params": "params", "grads": "grads", "optim": "optim", "activation_bytes": "act_step"}
     return [(row["rank"], field, row[key], records_by_rank[row["rank"]][field])
             for row in plan(config, layout, device="cpu") for field, key in fields.items()]

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository
-from tools.jobs import REPO, free_port  # noqa: E402
+from harness.jobs import REPO, free_port  # noqa: E402
 from tools.netns import PREFIX, namespaces_unavailable, network_namespaces  # noqa: E402
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "srun", "nsenter", "unshare")

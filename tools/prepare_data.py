@@ -120,8 +120,8 @@ def write(folder, source="help", files=None, workload="gpt", max_chars=None):
 
 def short_help_pages(max_chars=1500, workload="gpt-cpu"):
     """The token files of the help pages of at most `max_chars` characters, for `workload`'s context, that the tests,
-    notebook 12 and the demo train on: written once in a test session (tools.jobs.shared_folder), the path to them."""
-    from tools.jobs import shared_folder
+    notebook 12 and the demo train on: written once in a test session (harness.jobs.shared_folder), the path to them."""
+    from harness.jobs import shared_folder
 
     def make(folder):
         name, documents = help_topics()

@@ -28,7 +28,7 @@ def save_seed_checkpoint(path, workload="gpt-cpu", **options):
 
 def seed_checkpoint_beside(text, workload="gpt-cpu"):
     """The seed checkpoint of `workload` learning the text file `text` at dropout 0, in a folder beside the file
-    (written once: a file named by its content, as tools.jobs.shared_file makes, names one seed): for the jobs that
+    (written once: a file named by its content, as harness.jobs.shared_file makes, names one seed): for the jobs that
     tests and notebooks share, which must find it outside their own folders."""
     path = Path(f"{text}.{workload}-seed")
     if not path.exists():

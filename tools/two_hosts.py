@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository
-from tools.jobs import TORCHRUN, script, start  # noqa: E402
+from harness.jobs import TORCHRUN, script, start  # noqa: E402
 from tools.netns import namespaces_unavailable, network_namespaces  # noqa: E402
 
 PORT = 29500

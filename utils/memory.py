@@ -46,7 +46,7 @@ class saved_for_backward(torch.autograd.graph.saved_tensors_hooks):
     it saw by a weak reference, never the storage itself: the backward frees a micro-batch's activations as it would
     unmeasured (holding them would keep every micro-batch's until the step ends, and the measured step would peak
     higher than any other), and a storage freed and made anew at the same address is told apart by its dead reference.
-    The recorder of tools/jobs counts each pipeline stage's forward with it (pipeline.jsonl's `saved`)."""
+    The recorder of harness/jobs counts each pipeline stage's forward with it (pipeline.jsonl's `saved`)."""
 
     def __init__(self):
         self.bytes, self.seen = 0, {}

@@ -1,6 +1,6 @@
 """What a rank sends: every collective of a step as torch's own comm-counting mode (CommDebugMode) sees it, weighed,
 named by the mesh dimension of its process group, and what a ring algorithm sends for it. The step of the planner
-(plan_at_scale.py), the benchmarks (communication.py, one_mesh.py) and the recorder of tools/jobs count with it.
+(plan_at_scale.py), the benchmarks (communication.py, one_mesh.py) and the recorder of harness/jobs count with it.
 
     groups = named_groups({"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group()})
     with counting_collectives(groups) as counting:

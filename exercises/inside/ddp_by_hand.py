@@ -27,7 +27,7 @@ import torch
 
 from exercises.judging import (COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, exit_problems, line_of, listed,
                                script_module)
-from tools.jobs import REPO, run, shown, torchrun
+from harness.jobs import REPO, run, shown, torchrun
 
 SOLUTION = REPO / "exercises" / "07_ddp_by_hand" / "solution.py"
 BUCKET_MB = 0.1  # buckets of 0.1 MiB: the MLP's 8 gradients (466 KB) make 3 of them

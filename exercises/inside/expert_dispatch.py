@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from exercises.judging import COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, exit_problems, lines_in, script_module
-from tools.jobs import REPO, run, shown, torchrun
+from harness.jobs import REPO, run, shown, torchrun
 
 SOLUTION = REPO / "exercises/11_expert_dispatch/solution.py"
 ROUND_FILE = "round{round}_rank{rank}_{part}.pt"  # part "in": tokens and weights; "out": outputs, gradients

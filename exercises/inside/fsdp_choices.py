@@ -24,7 +24,7 @@ import torch
 
 from exercises.judging import (COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, exit_problems, line_of, listed,
                                script_module)
-from tools.jobs import REPO, run, shown, torchrun
+from harness.jobs import REPO, run, shown, torchrun
 
 SOLUTION = REPO / "exercises" / "09_fsdp_choices" / "solution.py"
 SAVED = "fsdp_weights.pt"  # the script's default --weights, in its working folder

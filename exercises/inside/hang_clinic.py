@@ -23,7 +23,7 @@ import types
 from pathlib import Path
 
 from exercises.judging import JOB_LIMIT_S, exit_problems, listed, script_module
-from tools.jobs import REPO, shown, start, torchrun
+from harness.jobs import REPO, shown, start, torchrun
 
 START = REPO / "exercises/12_hang_clinic/start.py"
 SOLUTION = REPO / "exercises/12_hang_clinic/solution.py"

@@ -1,5 +1,5 @@
 """Exercise 10's checker: a pipeline schedule by hand. It runs the learner's script twice, `--schedule gpipe` and
-`--schedule 1f1b` (two ranks each, at once), recorded by tools/jobs/recorder/plugins/pipeline_by_hand.py, and judges:
+`--schedule 1f1b` (two ranks each, at once), recorded by harness/jobs/recorder/plugins/pipeline_by_hand.py, and judges:
 - the gradients: the first optimizer step's, and every stage's weights after the last step, against one process
   training the exercise's whole model (the repository's, with its batches, loss and learning rate, whatever the
   script's own functions became) on the same batches, each micro-batch's loss divided by M;
@@ -14,7 +14,7 @@ import time
 import torch
 
 from exercises.judging import COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, exit_problems, lines_in, listed, script_module
-from tools.jobs import REPO, shown, start, torchrun
+from harness.jobs import REPO, shown, start, torchrun
 
 SOLUTION = REPO / "exercises/10_pipeline_by_hand/solution.py"
 STAGES = 2  # the script's pipeline: one stage per rank

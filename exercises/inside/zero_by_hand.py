@@ -25,7 +25,7 @@ import torch
 
 from exercises.judging import (COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, exit_problems, line_of, listed,
                                script_module)
-from tools.jobs import REPO, shown, start, torchrun
+from harness.jobs import REPO, shown, start, torchrun
 
 SOLUTION = REPO / "exercises/08_zero_by_hand/solution.py"
 STEPS = 40

@@ -1,4 +1,4 @@
-"""Loaded by every Python process of a job whose PYTHONPATH starts here (tools/jobs does that): it records what the
+"""Loaded by every Python process of a job whose PYTHONPATH starts here (harness/jobs does that): it records what the
 job does and injects faults, each part switched on by its own environment variable. The step scripts are not
 changed; without the variables nothing happens.
 
@@ -99,7 +99,7 @@ changed; without the variables nothing happens.
   that many seconds late, as a rank started last on a busy machine does.
 - JOB_HOLD=`FOLDER`: each process that constructs a torchft Manager (a replica group of step 13) first writes
   FOLDER/held-PID, then waits (at most 600 s) until FOLDER/go exists, and goes on: the groups of a job start to train
-  at once however far apart their starts were (tools/jobs' Job.release() writes it once they all wait). Once it
+  at once however far apart their starts were (harness/jobs' Job.release() writes it once they all wait). Once it
   exists, a process restarted later goes on at once.
 """
 import importlib.abc

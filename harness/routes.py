@@ -10,17 +10,17 @@ adds its gradients up in another order than one process, so after the first opti
 one process's in the last bits, and so do the router's probabilities. A token whose two best experts score within
 that rounding of each other (a near-tie) can then go to the other expert: its output changes by a whole expert's
 term, not by a rounding error, and from that step on the two runs train two slightly different models. The job's
-samples.jsonl (tools/jobs' recorder, record=True) holds each rank's `losses` (every backward's) and `routes` (every
-training forward's chosen experts); the reference is tools.one_process.train_gpt, watched as it trains.
+samples.jsonl (harness/jobs' recorder, record=True) holds each rank's `losses` (every backward's) and `routes` (every
+training forward's chosen experts); the reference is harness.one_process.train_gpt, watched as it trains.
 """
 import torch
 
-from tools import one_process
+from harness import one_process
 from utils.moe import MoE
 
 
 def reference_with_routes(text, batch_size, epochs, **options):
-    """tools.one_process.train_gpt(text, batch_size, epochs, context=64, **options), and what it did at every step:
+    """harness.one_process.train_gpt(text, batch_size, epochs, context=64, **options), and what it did at every step:
     `step_losses`, the loss each backward() was called on (the task's plus the weighted aux loss), and `probs`, every
     training forward's router probabilities, (tokens of the batch, E) a layer, forward by forward (step by step, layer
     by layer)."""

@@ -1,7 +1,7 @@
 """The diffs between consecutive step scripts, generated from the files, and the doc blocks that show them.
 
-    python tools/stepdiff.py            # check: exit 1 if a diff in README.md or docs/ is stale
-    python tools/stepdiff.py --write    # regenerate every diff block of README.md and docs/ from the scripts
+    python harness/stepdiff.py            # check: exit 1 if a diff in README.md or docs/ is stale
+    python harness/stepdiff.py --write    # regenerate every diff block of README.md and docs/ from the scripts
 
 The full diffs live on the steps' reference pages (docs/reference/*.md). A page marks each generated block with
 `<!-- diff OLD NEW -->` ... `<!-- end diff -->`; everything between the two markers is replaced by a ```diff fence
@@ -122,7 +122,7 @@ def main():
             if args.write:
                 page.write_text(fresh)
     if stale and not args.write:
-        sys.exit(f"stale step diffs in {', '.join(stale)}: run `python tools/stepdiff.py --write`")
+        sys.exit(f"stale step diffs in {', '.join(stale)}: run `python harness/stepdiff.py --write`")
     shown = shown_pairs()
     for old, new in pairs():
         where = ", ".join(str(page.relative_to(REPO)) for page in shown.get((old, new), [])) or "no page"

@@ -41,8 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools.jobs import output
-from tools.jobs.processes import kill_tree, torchrun_workers
+from harness.jobs import output
+from harness.jobs.processes import kill_tree, torchrun_workers
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable

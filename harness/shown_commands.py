@@ -15,8 +15,8 @@ import re
 import shlex
 from pathlib import Path
 
-from tools import stepdiff
-from tools.jobs import REPO
+from harness import stepdiff
+from harness.jobs import REPO
 
 GPUS_PER_NODE = 8
 LAUNCHERS = {"torchrun": "torchrun", "...": "torchrun", "python": "python", "python3": "python"}

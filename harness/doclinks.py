@@ -1,7 +1,7 @@
 """The links of the tutorial's pages: every relative link leads to a file that exists, and every #anchor to a heading
 of its target, as GitHub renders them.
 
-    python tools/doclinks.py        # list the broken links of README.md, docs/ and the notebooks; exit 1 if any
+    python harness/doclinks.py        # list the broken links of README.md, docs/ and the notebooks; exit 1 if any
 
 Checked: `[text](target)` and `![alt](target)` links and `[name]: target` definitions, outside code blocks and
 inline code, in README.md, docs/*.md, the steps' reference pages (docs/reference/*.md) and the notebooks' markdown
