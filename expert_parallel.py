@@ -21,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
-from utils import require_written_by
+from utils import errors_said_once, require_written_by, said_once_per_node
 from utils.snapshot_reader import SnapshotReader
 from utils import require_same_arguments, require_same_start
 from utils import exists_on_any_rank, mesh_with_timeout, non_negative_number, size_of
@@ -156,7 +156,6 @@ class Trainer:
             print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
-        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
@@ -177,14 +176,16 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 
 
 def main(args):
-    check_options(args)  # an option that cannot run here: one line, before anything
-    # Whole ep groups, each rank as many experts as the others: else one line, before anything starts.
-    require_ep_fits(args.ep, args.top_k, size_of(args.workload).experts, int(os.environ["WORLD_SIZE"]))
+    # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
+    with said_once_per_node(args.timeout):
+        check_options(args)  # an option that cannot run here: one line, before anything
+        # Whole ep groups, each rank as many experts as the others: else one line, before anything starts.
+        require_ep_fits(args.ep, args.top_k, size_of(args.workload).experts, int(os.environ["WORLD_SIZE"]))
+        workload = load_train_objs(args)  # its data read: missing data stops it here, too
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
-    workload = load_train_objs(args)
     # dp x ep, rank = d * ep + e: an ep group's ranks are neighbours, on one node, whose links the all-to-alls need.
     mesh = init_device_mesh(device.type, (dist.get_world_size() // args.ep, args.ep), mesh_dim_names=("dp", "ep"))
     mesh_with_timeout(mesh, args.timeout)  # the groups it made give up after --timeout too
@@ -192,8 +193,11 @@ def main(args):
     # So the ranks of an ep group read different data, like any two ranks: the sampler splits it over all of them.
     split_experts(workload.model, mesh["ep"].get_group())
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
-    trainer = Trainer(workload.model, train_data, workload.make_optimizer(workload.model), workload.loss_fn, device,
-                      args.save_every, args.snapshot_path, args, mesh)
+    # A snapshot that every rank finds unusable, or finished already: one line on each node too.
+    with said_once_per_node(args.timeout):
+        trainer = Trainer(workload.model, train_data, workload.make_optimizer(workload.model), workload.loss_fn, device,
+                          args.save_every, args.snapshot_path, args, mesh)
+        require_epochs_left(trainer.epochs_run, args.total_epochs, args.snapshot_path)  # a finished job run again
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
     # Every rank samples, the same characters: each forward sends the tokens to the experts on the other ranks.
@@ -223,6 +227,7 @@ if __name__ == "__main__":
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: weights stay fp32")
     parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step (inf: no clip)")
     add_gpt_arguments(parser)  # --text, --dropout, --peak_tflops
+    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
     args = parser.parse_args()
 
     require_torchrun()

@@ -278,8 +278,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = errors_said_once(argparse.ArgumentParser(description=__doc__,
-                                                      formatter_class=argparse.RawDescriptionHelpFormatter))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("total_epochs", type=positive_int, help="Total epochs to train the model")
     parser.add_argument("save_every", type=positive_int, help="How often to save (in epochs)")
     parser.add_argument("--batch_size", default=32, type=positive_int, help="Input batch size per process")
@@ -294,6 +293,7 @@ if __name__ == "__main__":
     parser.add_argument("--bf16", action="store_true", help="FSDP: compute in bfloat16")
     parser.add_argument("--cpu_offload", action="store_true", help="FSDP: keep the shards in CPU memory")
     parser.add_argument("--verbose", action="store_true", help="Print every rank's memory at each epoch")
+    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
     args = parser.parse_args()
 
     if args.group >= args.groups:

@@ -21,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
-from utils import require_written_by
+from utils import errors_said_once, require_written_by, said_once_per_node
 from utils.snapshot_reader import SnapshotReader
 from utils import require_same_arguments, require_same_start
 from utils import exists_on_any_rank, log_memory, require_torch_for_fsdp
@@ -109,7 +109,6 @@ class Trainer:
             print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
-        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
         log_memory("start", self.model, self.optimizer, self.device, self.verbose)  # every rank's, in one table
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
@@ -130,22 +129,27 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 
 
 def main(args):
-    if (args.bf16 or args.cpu_offload) and args.strategy != "fsdp":
-        raise SystemExit("error: --bf16 and --cpu_offload are options of --strategy fsdp")
-    require_torch_for_fsdp(args.strategy == "fsdp")  # FSDP on CPU processes needs torch 2.9: else one line
+    # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
+    with said_once_per_node(args.timeout):
+        if (args.bf16 or args.cpu_offload) and args.strategy != "fsdp":
+            raise SystemExit("error: --bf16 and --cpu_offload are options of --strategy fsdp")
+        require_torch_for_fsdp(args.strategy == "fsdp")  # FSDP on CPU processes needs torch 2.9: else one line
+        workload = load_train_objs(args)  # its data read: missing data stops it here, too
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
-    workload = load_train_objs(args)
     # bf16 compute; the gradients reduce-scattered in fp32 (a bf16 sum of many ranks' gradients loses their low bits);
     # fp32 outputs for the loss; offloaded shards in CPU memory (pinned for GPUs).
     bf16 = torch.bfloat16 if args.bf16 else None
     fsdp = dict(mp_policy=MixedPrecisionPolicy(bf16, reduce_dtype=torch.float32, output_dtype=torch.float32),
                 offload_policy=CPUOffloadPolicy(device.type == "cuda") if args.cpu_offload else OffloadPolicy())
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
-    trainer = Trainer(workload.model, train_data, workload.make_optimizer, workload.loss_fn, device,
-                      args.save_every, args.snapshot_path, fsdp if args.strategy == "fsdp" else None, args.verbose)
+    # A snapshot that every rank finds unusable, or finished already: one line on each node too.
+    with said_once_per_node(args.timeout):
+        trainer = Trainer(workload.model, train_data, workload.make_optimizer, workload.loss_fn, device,
+                          args.save_every, args.snapshot_path, fsdp if args.strategy == "fsdp" else None, args.verbose)
+        require_epochs_left(trainer.epochs_run, args.total_epochs, args.snapshot_path)  # a finished job run again
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
     full_model = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -170,6 +174,7 @@ if __name__ == "__main__":
     parser.add_argument("--bf16", action="store_true", help="FSDP: compute in bfloat16")
     parser.add_argument("--cpu_offload", action="store_true", help="FSDP: keep the shards in CPU memory")
     parser.add_argument("--verbose", action="store_true", help="Print every rank's memory at each epoch")
+    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
     args = parser.parse_args()
 
     require_torchrun()

@@ -32,7 +32,7 @@ from torch.utils.tensorboard import SummaryWriter
 from utils import WORKLOADS, configure_cpu_threads, exit_without_teardown, log_rank_metrics, positive_int, replacing
 from utils import non_negative_int
 from utils import attempt_store, require_epochs_left, require_torchrun, snapshot_folder, stop_if_unloadable
-from utils import require_written_by, said_once_per_node
+from utils import errors_said_once, require_written_by, said_once_per_node
 from utils.snapshot_reader import SnapshotReader, load_seed_checkpoint
 from utils import require_same_arguments, require_same_start
 from utils import exists_on_any_rank, mesh_with_timeout, remove, snapshot_to_resume, step_snapshot, whole_snapshots
@@ -247,7 +247,6 @@ class Trainer:
                 print(f"{self.tag} step {steps} | snapshot saved to {step_snapshot(self.snapshot_path, steps)}")
 
     def train(self, total_steps):
-        require_epochs_left(self.steps_run, total_steps, self.snapshot_path, unit="steps")
         # The global batches this run reads, from the cursor on, less those --skip names (a line says which).
         numbers, self.skipped = batch_range(self.next_batch, total_steps - self.steps_run, self.args.skip,
                                             self.skipped, say=self.global_rank == 0)
@@ -325,13 +324,17 @@ def main(args):
     model.to_empty(device=device)
     model.init_weights(seed=SEED)
     if args.seed_checkpoint:
-        load_seed_checkpoint(model, args.seed_checkpoint)
+        with said_once_per_node(args.timeout):  # a folder that every rank finds unusable: one line on each node
+            load_seed_checkpoint(model, args.seed_checkpoint)
     # Each dp rank reads its share of every global batch; the pipeline's stages and tp ranks, the same share.
     dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     train_data = Shares(train_tokens, args.global_batch, SEED, *dp)
     held_out = DataLoader(HeldOut(held_out_tokens, args.global_batch, SEED, *dp), batch_size=None)
-    trainer = Trainer(model, stages, train_data, held_out, make_optimizer(model), device, args.save_every,
-                      args.snapshot_path, resume, args, mesh)
+    # A snapshot that every rank finds unusable, or finished already: one line on each node too.
+    with said_once_per_node(args.timeout):
+        trainer = Trainer(model, stages, train_data, held_out, make_optimizer(model), device, args.save_every,
+                          args.snapshot_path, resume, args, mesh)
+        require_epochs_left(trainer.steps_run, args.total_steps, args.snapshot_path, unit="steps")  # run again
     trainer.train(args.total_steps)
     # The whole GPT written to one plain file beside the snapshots by rank 0, weight by weight as each arrives from
     # the ranks that hold it: no rank ever holds the whole model. Rank 0 goes on alone with the file, as a user would.
@@ -371,6 +374,7 @@ if __name__ == "__main__":
     parser.add_argument("--async_save", action="store_true", help="Write snapshots while the training goes on")
     parser.add_argument("--seed_checkpoint", type=dcp_folder, help="Initial weights (tools/seed_checkpoint.py)")
     add_gpt_arguments(parser, text=False)  # --dropout, --peak_tflops
+    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
     args = parser.parse_args()
 
     require_torchrun()

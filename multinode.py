@@ -17,7 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
-from utils import require_written_by
+from utils import errors_said_once, require_written_by, said_once_per_node
 from utils import require_same_arguments, require_same_start
 
 
@@ -93,7 +93,6 @@ class Trainer:
         print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
-        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
@@ -112,14 +111,19 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 
 
 def main(args):
+    # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
+    with said_once_per_node(args.timeout):
+        workload = load_train_objs(args)  # its data read: missing data stops it here, too
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
-    workload = load_train_objs(args)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
-    trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
-                      args.save_every, args.snapshot_path)
+    # A snapshot that every rank finds unusable, or finished already: one line on each node too.
+    with said_once_per_node(args.timeout):
+        trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
+                          args.save_every, args.snapshot_path)
+        require_epochs_left(trainer.epochs_run, args.total_epochs, args.snapshot_path)  # a finished job run again
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
     if trainer.global_rank == 0:
@@ -136,6 +140,7 @@ if __name__ == "__main__":
     parser.add_argument("--workload", default="synthetic", choices=WORKLOADS, help="What to train")
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
     parser.add_argument("--snapshot_path", default="snapshot.pt", type=writable_path, help="Where to save and resume")
+    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
     args = parser.parse_args()
 
     require_torchrun()

@@ -29,7 +29,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
-from utils import require_written_by
+from utils import errors_said_once, require_written_by, said_once_per_node
 from utils.snapshot_reader import SnapshotReader, load_seed_checkpoint
 from utils import require_same_arguments, require_same_start
 from utils import exists_on_any_rank, mesh_with_timeout
@@ -193,7 +193,6 @@ class Trainer:
                 print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
-        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
@@ -239,13 +238,15 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, dp):
 
 
 def main(args):
-    check_options(args)  # an option that cannot run here: one line, before anything
-    require_mesh_fits(args, int(os.environ["WORLD_SIZE"]))  # whole grids, whole heads, stages: else one line
+    # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
+    with said_once_per_node(args.timeout):
+        check_options(args)  # an option that cannot run here: one line, before anything
+        require_mesh_fits(args, int(os.environ["WORLD_SIZE"]))  # whole grids, whole heads, stages: else one line
+        workload = load_train_objs(args)  # its data read: missing data stops it here, too
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
-    workload = load_train_objs(args)
     # pp outermost, tp innermost, as torchtitan orders them: tp's all-gathers in every block need the fastest links
     # (a node's), a pipeline sends one activation per micro-batch between stages (across nodes), and dp's reduce-
     # scatter once a step goes in between.
@@ -258,12 +259,16 @@ def main(args):
     model.to_empty(device=device)
     model.init_weights(seed=SEED)
     if args.seed_checkpoint:
-        load_seed_checkpoint(model, args.seed_checkpoint)
+        with said_once_per_node(args.timeout):  # a folder that every rank finds unusable: one line on each node
+            load_seed_checkpoint(model, args.seed_checkpoint)
     train_data = prepare_dataloader(workload.train_set, args.batch_size, mesh["dp"])
-    # A --batch_size larger than a pipeline's share of the data would leave it nothing to train on: one line.
-    require_a_batch(train_data)
-    trainer = Trainer(model, stages, train_data, workload.make_optimizer(model), workload.loss_fn, device,
-                      args.save_every, args.snapshot_path, args, mesh)
+    # A --batch_size larger than a pipeline's share of the data, which would leave it nothing to train on, and a
+    # snapshot that every rank finds unusable, or finished already: one line on each node too.
+    with said_once_per_node(args.timeout):
+        require_a_batch(train_data)
+        trainer = Trainer(model, stages, train_data, workload.make_optimizer(model), workload.loss_fn, device,
+                          args.save_every, args.snapshot_path, args, mesh)
+        require_epochs_left(trainer.epochs_run, args.total_epochs, args.snapshot_path)  # a finished job run again
     trainer.train(args.total_epochs)
     # The whole GPT written to one plain file beside the snapshot by rank 0, weight by weight as each arrives from the
     # ranks that hold it: no rank ever holds the whole model. Rank 0 goes on alone with the file, as a user would.
@@ -296,6 +301,7 @@ if __name__ == "__main__":
     parser.add_argument("--async_save", action="store_true", help="Write snapshots while the training goes on")
     parser.add_argument("--seed_checkpoint", type=dcp_folder, help="Initial weights (tools/seed_checkpoint.py)")
     add_gpt_arguments(parser)  # --text, --dropout, --peak_tflops
+    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
     args = parser.parse_args()
 
     require_torchrun()

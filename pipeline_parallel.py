@@ -21,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
-from utils import require_written_by
+from utils import errors_said_once, require_written_by, said_once_per_node
 from utils.snapshot_reader import SnapshotReader
 from utils import require_same_arguments, require_same_start
 from utils import exists_on_any_rank, mesh_with_timeout
@@ -152,7 +152,6 @@ class Trainer:
             print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
-        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
@@ -184,24 +183,29 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, dp):
 
 
 def main(args):
-    check_options(args)  # an option that cannot run here: one line, before anything
-    # Pipelines of --pp stages, if the GPT's blocks and the batch allow them: else one line, before anything starts.
-    require_pipeline_fits(args, int(os.environ["WORLD_SIZE"]))
+    # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
+    with said_once_per_node(args.timeout):
+        check_options(args)  # an option that cannot run here: one line, before anything
+        # Pipelines of --pp stages, if the GPT's blocks and the batch allow them: else one line, before anything starts.
+        require_pipeline_fits(args, int(os.environ["WORLD_SIZE"]))
+        workload = load_train_objs(args)  # its data read: missing data stops it here, too
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
-    workload = load_train_objs(args)
     # The ranks as a grid of pp x dp, rank = stage * dp + d: the copies of a stage are consecutive ranks, on one node,
     # and a pipeline crosses the nodes, where only one activation per micro-batch travels between neighbours.
     mesh = init_device_mesh(device.type, (args.pp, dist.get_world_size() // args.pp), mesh_dim_names=("pp", "dp"))
     mesh_with_timeout(mesh, args.timeout)  # the groups it made give up after --timeout too
     stage = cut(workload.model, mesh["pp"].get_local_rank(), args.pp)
     train_data = prepare_dataloader(workload.train_set, args.batch_size, mesh["dp"])
-    # A --batch_size larger than a pipeline's share of the data would leave it nothing to train on: one line.
-    require_a_batch(train_data)
-    trainer = Trainer(stage, train_data, workload.make_optimizer(stage), workload.loss_fn, device, args.save_every,
-                      args.snapshot_path, args, mesh)
+    # A --batch_size larger than a pipeline's share of the data, which would leave it nothing to train on, and a
+    # snapshot that every rank finds unusable, or finished already: one line on each node too.
+    with said_once_per_node(args.timeout):
+        require_a_batch(train_data)
+        trainer = Trainer(stage, train_data, workload.make_optimizer(stage), workload.loss_fn, device, args.save_every,
+                          args.snapshot_path, args, mesh)
+        require_epochs_left(trainer.epochs_run, args.total_epochs, args.snapshot_path)  # a finished job run again
     trainer.train(args.total_epochs)
     # Every stage's weights gathered on every rank, the whole GPT again: for the held-out loss and a sample.
     trainer.model = reassembled(trainer.model)
@@ -228,6 +232,7 @@ if __name__ == "__main__":
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast")
     parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step (inf: no clip)")
     add_gpt_arguments(parser)  # --text, --dropout, --peak_tflops
+    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
     args = parser.parse_args()
 
     require_torchrun()

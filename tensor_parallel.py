@@ -22,7 +22,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
-from utils import require_written_by
+from utils import errors_said_once, require_written_by, said_once_per_node
 from utils.snapshot_reader import SnapshotReader
 from utils import require_same_arguments, require_same_start
 from utils import exists_on_any_rank, log_memory, require_torch_for_fsdp
@@ -126,7 +126,6 @@ class Trainer:
             print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
 
     def train(self, max_epochs):
-        require_epochs_left(self.epochs_run, max_epochs, self.snapshot_path)
         log_memory("start", self.model, self.optimizer, self.device, self.verbose)  # every rank's, in one table
         log_slices(self.model.block0, self.verbose)  # each rank's part of a block's matrices, in one table
         for epoch in range(self.epochs_run, max_epochs):
@@ -149,14 +148,16 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, dp_mesh):
 
 
 def main(args):
-    # Whole tp groups, and whole heads on every rank of one: else one line, before anything starts.
-    require_tp_fits(args, int(os.environ["WORLD_SIZE"]))
-    require_torch_for_fsdp()  # FSDP on CPU processes needs torch 2.9: else one line
+    # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
+    with said_once_per_node(args.timeout):
+        # Whole tp groups, and whole heads on every rank of one: else one line, before anything starts.
+        require_tp_fits(args, int(os.environ["WORLD_SIZE"]))
+        require_torch_for_fsdp()  # FSDP on CPU processes needs torch 2.9: else one line
+        workload = load_train_objs(args)  # its data read: missing data stops it here, too
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
-    workload = load_train_objs(args)
     # A grid of dp x tp ranks, named; a tp group is tp consecutive ranks (the GPUs of one node).
     mesh = init_device_mesh(device.type, (dist.get_world_size() // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     mesh_with_timeout(mesh, args.timeout)  # the groups it made give up after --timeout too
@@ -169,8 +170,11 @@ def main(args):
     for block in list(workload.model.children())[1:-1]:
         parallelize_module(block, mesh["tp"], PLAN)
     train_data = prepare_dataloader(workload.train_set, args.batch_size, mesh["dp"])
-    trainer = Trainer(workload.model, train_data, workload.make_optimizer, workload.loss_fn, device,
-                      args.save_every, args.snapshot_path, fsdp, args.verbose)
+    # A snapshot that every rank finds unusable, or finished already: one line on each node too.
+    with said_once_per_node(args.timeout):
+        trainer = Trainer(workload.model, train_data, workload.make_optimizer, workload.loss_fn, device,
+                          args.save_every, args.snapshot_path, fsdp, args.verbose)
+        require_epochs_left(trainer.epochs_run, args.total_epochs, args.snapshot_path)  # a finished job run again
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, group=mesh["dp"].get_group())
     # Every weight gathered whole, in the order it was split: over dp (FSDP's shards), then over tp (the slices). In
@@ -197,6 +201,7 @@ if __name__ == "__main__":
     parser.add_argument("--tp", default=2, type=positive_int, help="Ranks that split each block (tensor parallel)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="Compute dtype")
     parser.add_argument("--verbose", action="store_true", help="Print every rank's memory at each epoch")
+    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
     args = parser.parse_args()
 
     require_torchrun()

@@ -30,6 +30,16 @@ def help_excerpt():
     return shared_file("help_excerpt.txt", help_pages()[:EXCERPT_CHARS])
 
 
+def snapshot_of(epochs_run):
+    """A snapshot the torchrun steps resume from, made in this process: the synthetic workload after one step."""
+    workload = make_workload()
+    source, targets = workload.train_set[:32]
+    workload.loss_fn(workload.model(source), targets).backward()
+    workload.optimizer.step()
+    return dict(MODEL_STATE=workload.model.state_dict(), OPTIMIZER_STATE=workload.optimizer.state_dict(),
+                EPOCHS_RUN=epochs_run, STEP="multigpu_torchrun.py")
+
+
 def assert_learned(text, epochs):
     """Every epoch reported once, and the loss of the last below half the first's."""
     losses = output.epoch_losses(text)

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from expect import stopped_as_rank_0
-from tools.jobs import python, run, script
+from expect import LIBRARY_NOISE, snapshot_of, stopped_as_rank_0
+from tools.jobs import output, python, run, script, torchrun
 from tools.stepdiff import steps
 
 STEPS = steps()
@@ -159,3 +159,62 @@ def test_a_context_longer_than_the_help_pages_can_hold_stops_with_one_line_befor
     assert str(stop) == (f"error: Python's help pages have {len(help_pages()):,} characters, and a context of 48,000 "
                          "tokens needs at least 1,920,040 (its held-out tenth must hold 4 blocks of it): lower "
                          "--context, or give a longer --text")
+
+
+# A mistake that every rank meets alike, in the README's commands on 2 ranks: each case the step, its arguments, and
+# the one line it must print (a bad argument is said by rank 0, through utils.launch.errors_said_once; a check before
+# the process group forms, and a snapshot's resume after it, by local rank 0, through said_once_per_node).
+NOT_A_SNAPSHOT = b"\x00not a snapshot\xff" * 64
+SAID_ONCE = {
+    "a damaged snapshot (step 3)": (
+        ("multigpu_torchrun.py", 50, 10),
+        "error: cannot resume from snapshot.pt (UnpicklingError: not a file of tensors torch.load can read safely "
+        "(Unsupported operand 0)); it is left in place: move it away to start anew"),
+    "a finished job run again (step 3)": (
+        ("multigpu_torchrun.py", 3, 1),
+        "error: snapshot.pt holds 3 epochs already, and TOTAL_EPOCHS is 3: nothing to train. Ask for more epochs, or "
+        "move it away to start anew"),
+    "an option of another strategy (step 5)": (
+        ("fsdp.py", 50, 10, "--strategy", "ddp", "--bf16"),
+        "error: --bf16 and --cpu_offload are options of --strategy fsdp"),
+    "a tp group that does not divide the ranks (step 7)": (
+        ("tensor_parallel.py", 2, 1, "--tp", 3),
+        "error: --tp 3 must divide the number of processes (2) and of attention heads (4): the processes form groups "
+        "of 3, and each group splits every block's heads evenly"),
+    "a schedule argparse does not know (step 8)": (
+        ("pipeline_parallel.py", 1, 1, "--schedule", "zb"),
+        "pipeline_parallel.py: error: argument --schedule: invalid choice: 'zb' (choose from 'gpipe', '1f1b')"),
+    "a mesh that does not divide the ranks (step 11)": (
+        ("one_mesh.py", 1, 1, "--tp", 3),
+        "error: --pp 2 x --tp 3 = 6 does not divide the 2 processes: they form grids of pp x tp, dp of them"),
+}
+
+
+def workers_lines(said):
+    """What a torchrun job's workers printed: its output up to torchrun's own report of the failure (its traceback)."""
+    return said.split("Traceback (most recent call last):")[0]
+
+
+@pytest.mark.slow
+def test_a_mistake_every_rank_meets_is_said_once_and_the_job_exits_non_zero(tmp_path):
+    """The cases above, each a job of 2 ranks, all at once (each stops within seconds): every job exits non-zero, and
+    its workers print the one line once (every rank printed it, a usage line with each argparse error, until the
+    steps said it once), no traceback or library line of theirs, and no epoch line; each snapshot is left as it was.
+    (A finished job run again used to exit 0 having done nothing, as the official tutorial does.)"""
+    folders = [tmp_path / str(case) for case in range(len(SAID_ONCE))]
+    for folder in folders:
+        folder.mkdir()
+    (folders[0] / "snapshot.pt").write_bytes(NOT_A_SNAPSHOT)
+    torch.save(snapshot_of(3), folders[1] / "snapshot.pt")
+    snapshots = {path: path.read_bytes() for path in tmp_path.glob("*/snapshot.pt")}
+    job = run(*(torchrun(*command, nproc=2) for command, _ in SAID_ONCE.values()), cwd=folders, timeout=300,
+              check=False)
+    for node, (case, (command, line)) in enumerate(SAID_ONCE.items()):
+        said = job.node_output(node)
+        workers = workers_lines(said)
+        assert job.codes[node] not in (0, None), (case, said[-3000:])
+        errors = [said_line for said_line in output.own_lines(workers) if "error:" in said_line]
+        assert errors == [line], (case, said[-3000:])
+        assert workers.count("usage: ") == ("error: argument" in errors[0]), (case, said[-3000:])
+        assert not LIBRARY_NOISE.search(workers) and not output.epoch_losses(said), (case, said[-3000:])
+    assert {path: path.read_bytes() for path in tmp_path.glob("*/snapshot.pt")} == snapshots

@@ -125,7 +125,7 @@ def write_torchscript(path):
 def test_the_line_for_an_unreadable_snapshot_says_what_is_wrong_not_to_load_it_unsafely(tmp_path):
     """torch.load's own message for a file that is not tensors and plain containers advises weights_only=False; the
     step's line says what the file is instead (the cause the unpickler found)."""
-    from utils.helpers import reason
+    from utils.errors import reason
 
     for write, found in ((write_garbage, "Unsupported operand"), (lambda path: torch.save(os.getcwd, path), "GLOBAL")):
         write(tmp_path / "x.pt")
@@ -143,7 +143,7 @@ def test_a_sharded_snapshot_of_another_model_is_told_by_what_it_lacks_or_holds_i
     without a process group, as DCP allows."""
     import torch.distributed.checkpoint as dcp
 
-    from utils.helpers import reason
+    from utils.errors import reason
 
     dcp.save({"MODEL_STATE": {"w": torch.zeros(2)}}, checkpoint_id=tmp_path)
     for template, said in (({"v": torch.zeros(2)}, "it has no MODEL_STATE.v"),

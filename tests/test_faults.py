@@ -1,8 +1,8 @@
 """The faults a careless or unlucky user meets, each ending within its time with one line that says what to do, and
 nothing the user had lost: a restart on several nodes with torchrun's shared store, a rank that never reaches the
 process group, torchrun itself killed, a snapshot folder that cannot be written or a disk that fills up, a crash in the
-middle of a snapshot folder's swap, a finished job run again, nodes started with different arguments, Ctrl-C to the
-process that spawned the workers and to torchrun. Some of them run in a copy of this process made by fork (it has
+middle of a snapshot folder's swap, nodes started with different arguments, Ctrl-C to the process that spawned the
+workers and to torchrun (a finished job run again: tests/test_bad_input.py, with the other mistakes said once). Some of them run in a copy of this process made by fork (it has
 torch loaded already), killed or left to end as a worker would be."""
 import io
 import os
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from expect import small_disk
+from expect import small_disk, snapshot_of
 from tools.jobs import REPO, free_port, output, python, run, start, torchrun, torchrun_node
 from tools.jobs.processes import child_pids
 from utils import attempt_store, make_workload, replacing, writable_path
@@ -36,16 +36,6 @@ def alive(pid):
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def snapshot_of(epochs_run):
-    """A snapshot the torchrun steps resume from, made in this process: the synthetic workload after one step."""
-    workload = make_workload()
-    source, targets = workload.train_set[:32]
-    workload.loss_fn(workload.model(source), targets).backward()
-    workload.optimizer.step()
-    return dict(MODEL_STATE=workload.model.state_dict(), OPTIMIZER_STATE=workload.optimizer.state_dict(),
-                EPOCHS_RUN=epochs_run, STEP="multigpu_torchrun.py")
 
 
 def in_a_fork(work, *args):
@@ -297,24 +287,6 @@ def test_fsdp_on_a_full_disk_removes_its_partial_snapshot_directory_and_keeps_th
         job.output
     assert files == ["filler", "snapshot"], "the partial directory is removed"
     assert saved == [".metadata", "__0_0.distcp"], "a whole earlier snapshot stays"
-
-
-def test_a_finished_job_run_again_says_so_instead_of_exiting_0_having_done_nothing(tmp_path):
-    """multigpu_torchrun.py's Trainer, in this process, with a snapshot that holds the 3 epochs asked for already: it
-    stops with one line before any epoch (a SystemExit: the job exits 1, as with every one-line error), and the
-    snapshot is not touched. The official tutorial exits 0 here, having done nothing."""
-    import multigpu_torchrun
-
-    torch.save(snapshot_of(3), tmp_path / "snapshot.pt")
-    before = (tmp_path / "snapshot.pt").read_bytes()
-    trainer = multigpu_torchrun.Trainer.__new__(multigpu_torchrun.Trainer)  # no __init__: it needs a process group
-    trainer.epochs_run, trainer.snapshot_path = 3, "snapshot.pt"
-    trainer._run_epoch = lambda epoch: pytest.fail(f"it trained epoch {epoch}")
-    with pytest.raises(SystemExit) as stop:
-        trainer.train(3)
-    assert str(stop.value) == ("error: snapshot.pt holds 3 epochs already, and TOTAL_EPOCHS is 3: nothing to train. "
-                               "Ask for more epochs, or move it away to start anew")
-    assert (tmp_path / "snapshot.pt").read_bytes() == before
 
 
 # --- the command ------------------------------------------------------------------------------------------------------

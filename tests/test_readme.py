@@ -57,6 +57,17 @@ def test_each_step_is_a_small_diff_of_the_previous_one(old, new):
     assert stepdiff.changed_lines(old, new) <= stepdiff.budget(new)[1]
 
 
+@pytest.mark.parametrize("name", stepdiff.steps()[1:])
+def test_a_step_over_the_goal_of_its_part_says_why_in_its_row_and_no_other_does(name):
+    """tools/stepdiff.STEPS is the one table of parents and budgets: a budget above its part's goal (60 changed lines
+    for steps 2-6, 120 for 7-11, 160 for 12-13) carries its one-line reason, and a reason never stands beside a budget
+    that needs none (it would outlive the lines it excused)."""
+    limit, why = stepdiff.goal(name)
+    over = stepdiff.budget(name)[1] > limit
+    assert bool(why) == over, (name, stepdiff.budget(name), limit, why)
+    assert "\n" not in why and len(why) <= 120, why
+
+
 def test_the_first_commands_are_make_demo_and_make_test():
     before_first_section = README.split("\n## ", 1)[0]
     assert "make demo" in before_first_section and "make test" in before_first_section

@@ -254,7 +254,7 @@ def test_every_sharded_load_goes_through_the_snapshot_reader():
         for call in re.findall(r"dcp\.load\(([^)]*)\)", path.read_text()):
             loads.setdefault(path.relative_to(REPO).as_posix(), []).append(call)
     assert {"fsdp.py", "tensor_parallel.py", "pipeline_parallel.py", "expert_parallel.py", "one_mesh.py", "long_run.py",
-            "fault_tolerant.py", "utils/helpers.py", "utils/snapshot_reader.py"} <= set(loads), loads
+            "fault_tolerant.py", "utils/snapshots.py", "utils/snapshot_reader.py"} <= set(loads), loads
     unread = {path: call for path, calls in loads.items() for call in calls if "storage_reader=" not in call}
     assert not unread, unread
 

@@ -4,9 +4,12 @@ Runs in runs/demo/ so checkpoints and snapshots land there, prints each command 
 printed, then a summary of the loss each step started and ended with. Every step is bounded: one that fails or
 runs past --timeout stops the demo with a line that names it and where its log is. Step 13 (replica groups) has one
 of its groups SIGKILLed while it runs and is stopped once that group is back; it shows the lines that tell what
-happened, not every step's.
+happened, not every step's. Step 14 runs no job: one process plans rank 0 of a 1,024-GPU job with step 7's code, and
+the summary says what that rank would hold, peak at and send.
 """
 import argparse
+import json
+import math
 import os
 import re
 import shutil
@@ -19,11 +22,17 @@ import torch  # noqa: E402
 
 from tools.jobs import (REPO, free_port, lighthouse, machine_summary, output, python, replica_groups,  # noqa: E402
                         run, shown, start, torchrun, torchrun_node)
+from utils.estimates import GPUS as GPU_SHAPES  # noqa: E402
 from utils.gpt import TEXT_VARIABLE, help_pages  # noqa: E402
 
 EPOCHS, SAVE_EVERY = 5, 2
 GPT_EPOCHS = 4  # on a CPU an epoch of the help pages takes ~5 s on 2 quiet cores: 4 are enough to see words appear
-TP_EPOCHS, TP_CHARS = 2, 40_000  # step 7 on a CPU: 4 processes share the cores, so the help pages' start only
+# Steps 7 to 11 train MESH_EPOCHS short epochs each, so that their loss is seen falling over as many lines. On a CPU
+# each trains on the help pages' first CHARS[step] characters: in about the time that fewer epochs of more text took
+# (step 7: 2 epochs of 40,000; steps 8 to 10: one of the whole pages, 464,970; step 11: one of 40,000).
+MESH_EPOCHS = 3
+CHARS = {"tensor_parallel.py": 27_000, "pipeline_parallel.py": 155_000, "context_parallel.py": 155_000,
+         "expert_parallel.py": 155_000, "one_mesh.py": 13_500}
 RUN_DIR = REPO / "runs" / "demo"
 GPUS = torch.cuda.device_count()
 # Step 13: two groups of one process (one GPU each where there are 2, else the CPU), 32 steps an epoch. Group 1 is
@@ -34,6 +43,11 @@ GPUS = torch.cuda.device_count()
 # machine. So the groups are given FT_EPOCHS, more than any start takes, and the demo stops the job once group 1, back,
 # has trained FT_STOP_AFTER steps with group 0: 11 s on 2 cores at a load of 3, and the same story at any load.
 FT_EPOCHS, FT_KILL_AFTER, FT_STOP_AFTER = 100, 10, 20
+# Step 14: rank 0 of a 1,024-GPU job of the 1B GPT's shape (16 blocks, 2,048 wide, a vocabulary of 128,256, a context
+# of 8,192), laid out by step 7's code (dp 128 x tp 8), one sequence a dp rank. The cost of a trace grows with the
+# blocks a rank runs times its micro-batches: this one is 24 s of CPU on the 2 cores here, the import of torch
+# included (the 8B at step 11's pp 8 x tp 8, the page's plan, is 78 s for its two kinds of rank: too long for a demo).
+PLAN = ["--step", "tensor_parallel", "--world", 1024, "--tp", 8, "--size", "1b", "--batch_size", 1, "--microbatches", 1]
 NOTICE = re.compile(r"[WEI]\d{4} [\d:.]+ \d+ \S+\] (.*)")  # a torchrun log record, as output.Narrator reads them
 
 
@@ -206,6 +220,27 @@ def replica_facts(job):
                 end=steps[0][last])
 
 
+def plan_summary(path):
+    """Step 14's line of the summary, from the plan it wrote (plan_at_scale.py --json): the job, whose code laid it
+    out, and what the traced rank holds, peaks at and sends over each link."""
+    plan = json.loads(path.read_text())
+    rank, args = plan["plans"][0], plan["args"]
+    gpu, step = GPU_SHAPES[args["gpu"]], rank["estimate"]
+    split = {name: args[name] for name in ("pp", "tp", "ep") if args[name] > 1}
+    layout = " x ".join(f"{name} {size}" for name, size in {"dp": args["world"] // math.prod(split.values()),
+                                                           **split}.items())
+    state = rank["params"] + rank["grads"] + rank["optim"]
+    over = {}  # what the rank sends a step over each link, and over which groups
+    for link, name in (("nvlink", "NVLink"), ("network", "the network")):
+        groups = [group for group in step["sent"] if step["links"][group] == link]
+        over[link] = f"{sum(step['sent'][group] for group in groups) / 2**30:.2f} GiB over {name} ({', '.join(groups)})"
+    return (f"rank {rank['rank']} of a {args['world']:,}-GPU job of the {args['size']} GPT, laid out by "
+            f"{args['step']}.py's own code ({layout}) and traced in this one process in {rank['seconds']:.0f} s: it "
+            f"holds {state / 2**20:.1f} MiB of weights, gradients and AdamW, peaks at {rank['peak'] / 2**30:.2f} GiB "
+            f"(an {args['gpu'].upper()} has {gpu.memory / 2**30:.1f}), and sends {over['nvlink']} and "
+            f"{over['network']} a step")
+
+
 DDP_STEPS = ("multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py")
 
 
@@ -248,38 +283,44 @@ def main():
     jobs["gpt.py"] = show("Step 6: a small GPT, 2 micro-batches per optimizer step (no_sync)", torchrun(
         "gpt.py", GPT_EPOCHS, GPT_EPOCHS, "--batch_size", 16, "--grad_accum", 2,
         *(["--precision", "bf16"] if GPUS else []), nproc="gpu" if GPUS else 2), timeout=args.timeout)
-    # Step 7: 4 CPU processes (dp 2 x tp 2) on an excerpt, unless a text is set; on GPUs all of them, tp 2 if it fits.
-    excerpt = None if GPUS or os.environ.get(TEXT_VARIABLE) else RUN_DIR / "help_excerpt.txt"
-    if excerpt:
-        excerpt.write_text(help_pages()[:TP_CHARS])
-    # Its snapshot (tp_snapshot/) and full model (tp_model_full.pt) have names of their own, apart from step 5's.
+    # Steps 7 to 11 on the help pages' start (CHARS), unless a text is set or GPUs train on the whole of them.
+    text = dict.fromkeys(CHARS)  # None: the step's own text, the help pages or the one set
+    if not GPUS and not os.environ.get(TEXT_VARIABLE):
+        for step, chars in CHARS.items():
+            excerpt = RUN_DIR / f"help_{chars}.txt"
+            excerpt.write_text(help_pages()[:chars])
+            text[step] = {TEXT_VARIABLE: excerpt}
+    # Step 7: 4 CPU processes (dp 2 x tp 2); on GPUs all of them, tp 2 if it fits. Its snapshot (tp_snapshot/) and
+    # full model (tp_model_full.pt) have names of their own, apart from step 5's.
     jobs["tensor_parallel.py"] = show("Step 7: tensor parallelism and FSDP on a dp x tp mesh (a GPT block split in 2)",
-                                      torchrun("tensor_parallel.py", TP_EPOCHS, 1, "--tp", 2 if GPUS % 2 == 0 else 1,
+                                      torchrun("tensor_parallel.py", MESH_EPOCHS, 1, "--tp", 2 if GPUS % 2 == 0 else 1,
                                                *(["--precision", "bf16"] if GPUS else []), nproc="gpu" if GPUS else 4),
-                                      env={TEXT_VARIABLE: excerpt} if excerpt else None, timeout=args.timeout)
-    # One epoch of the help pages: each stage runs every batch through its half of the model (--pp 2, by default).
+                                      env=text["tensor_parallel.py"], timeout=args.timeout)
+    # Each stage runs every batch through its half of the model (--pp 2, by default); a snapshot after the last epoch.
     jobs["pipeline_parallel.py"] = show("Step 8: the GPT in 2 pipeline stages, 4 micro-batches each (1F1B)", torchrun(
-        "pipeline_parallel.py", 1, 1, *(["--precision", "bf16"] if GPUS else []),
-        nproc=min(GPUS, 2) or 2), timeout=args.timeout)
-    # One epoch of the help pages in sequences of 128 characters, each shared by 2 ranks (2 chunks each), the ring.
+        "pipeline_parallel.py", MESH_EPOCHS, MESH_EPOCHS, *(["--precision", "bf16"] if GPUS else []),
+        nproc=min(GPUS, 2) or 2), env=text["pipeline_parallel.py"], timeout=args.timeout)
+    # Sequences of 128 characters, each shared by 2 ranks (2 chunks each), the ring.
     jobs["context_parallel.py"] = show("Step 9: each sequence split over 2 ranks, keys and values passed in a ring",
-                                       torchrun("context_parallel.py", 1, 1, "--context", 128, "--cp",
-                                                min(GPUS, 2) or 2, *(["--precision", "bf16"] if GPUS else []),
-                                                nproc=min(GPUS, 2) or 2), timeout=args.timeout)
-    # One epoch of the help pages: every block's MLP as experts, each of 2 ranks holding half of them (--ep 2), the
-    # tokens sent to their experts' rank and back by all-to-all; its sharded snapshot goes to ep_snapshot/.
+                                       torchrun("context_parallel.py", MESH_EPOCHS, MESH_EPOCHS, "--context", 128,
+                                                "--cp", min(GPUS, 2) or 2, *(["--precision", "bf16"] if GPUS else []),
+                                                nproc=min(GPUS, 2) or 2), env=text["context_parallel.py"],
+                                       timeout=args.timeout)
+    # Every block's MLP as experts, each of 2 ranks holding half of them (--ep 2), the tokens sent to their experts'
+    # rank and back by all-to-all; its sharded snapshot goes to ep_snapshot/.
     jobs["expert_parallel.py"] = show("Step 10: a mixture of experts, each of 2 ranks holding half of them",
-                                      torchrun("expert_parallel.py", 1, 1, "--ep", min(GPUS, 2) or 2,
-                                               *(["--precision", "bf16"] if GPUS else []),
-                                               nproc=min(GPUS, 2) or 2), timeout=args.timeout)
+                                      torchrun("expert_parallel.py", MESH_EPOCHS, MESH_EPOCHS, "--ep",
+                                               min(GPUS, 2) or 2, *(["--precision", "bf16"] if GPUS else []),
+                                               nproc=min(GPUS, 2) or 2), env=text["expert_parallel.py"],
+                                      timeout=args.timeout)
     # Step 11 on 4 processes, a mesh of pp 2 x tp 2 (dp 1): each pipeline rank holds 2 of the GPT's 4 stages, each
-    # stage's blocks split over 2 ranks. On a CPU, on step 7's excerpt (8 processes, dp 2, took 1.6 times as long); on
-    # GPUs, 4 of them, or a pipeline alone on 2 or 3, both stages on the one rank on 1. Its snapshot: mesh_snapshot/.
+    # stage's blocks split over 2 ranks. On a CPU (8 processes, dp 2, took 1.6 times as long as 4); on GPUs, 4 of
+    # them, or a pipeline alone on 2 or 3, both stages on the one rank on 1. Its snapshot: mesh_snapshot/.
     pp, tp = (2, 2) if GPUS >= 4 or not GPUS else (min(GPUS, 2), 1)
     jobs["one_mesh.py"] = show(f"Step 11: one mesh of pp {pp} x tp {tp}, two pipeline stages a rank",
-                               torchrun("one_mesh.py", 1, 1, "--pp", pp, "--tp", tp,
+                               torchrun("one_mesh.py", MESH_EPOCHS, MESH_EPOCHS, "--pp", pp, "--tp", tp,
                                         *(["--precision", "bf16"] if GPUS else []), nproc=pp * tp),
-                               env={TEXT_VARIABLE: excerpt} if excerpt else None, timeout=args.timeout)
+                               env=text["one_mesh.py"], timeout=args.timeout)
     # Step 12 on step 11's 4 processes: token files of the help pages written first (on a CPU, the pages of at most
     # 1,500 characters: 409 sequences of 64), then 24 optimizer steps in global batches of 16, a snapshot every 12
     # steps (long_snapshots/), a held-out loss every 12, a line every 6 (TensorBoard's scalars in runs/long_run/).
@@ -294,6 +335,11 @@ def main():
     jobs["fault_tolerant.py"] = show_replica_groups(
         "Step 13: two replica groups under torchft: one is SIGKILLed, the other trains on, the killed one heals",
         FT_EPOCHS, FT_KILL_AFTER, FT_STOP_AFTER, timeout=args.timeout)
+    # Step 14: no job runs; one process becomes rank 0 of 1,024 on torch's fake process group and traces a step of
+    # step 7's code on fake tensors (PLAN). Its plan, as JSON, in runs/demo/plan.json.
+    jobs["plan_at_scale.py"] = show("Step 14: plan one rank of a 1,024-GPU job on this machine, with step 7's code",
+                                    python("plan_at_scale.py", *PLAN, "--json", "plan.json"), timeout=args.timeout,
+                                    narrated=True)
 
     fault = show("Step 3 under fire: a worker SIGKILLed, torchrun restarts the group, the job resumes",
                  python("tools/fault_demo.py", "--timeout", args.timeout), timeout=args.timeout + 30, narrated=True)
@@ -301,11 +347,14 @@ def main():
     print(f"\n=== Summary ({time.perf_counter() - began:.0f} s; files in {where(RUN_DIR)}/)")
     for step, job in jobs.items():
         losses = job.losses
-        if len(losses) > 1:
-            print(f"{step:22} loss {losses[0]:.4f} (epoch 0) -> {losses[max(losses)]:.4f} (epoch {max(losses)})")
-        elif losses:  # one epoch: its mean training loss, then the held-out loss of the weights it ended with
+        if step == "plan_at_scale.py":  # a plan, not a training run
+            print(f"{step:22} {plan_summary(job.cwd / 'plan.json')}")
+        elif step in CHARS:  # steps 7 to 11: every epoch's mean training loss, then the held-out loss after the last
+            falling = " -> ".join(f"{losses[epoch]:.4f}" for epoch in sorted(losses))
             held_out = output.held_out(job.output)["loss"]
-            print(f"{step:22} loss {losses[0]:.4f} (epoch 0's mean) -> held-out {held_out:.4f} (after it)")
+            print(f"{step:22} loss {falling} (epochs 0 to {max(losses)}); held-out {held_out:.4f} after them")
+        elif losses:
+            print(f"{step:22} loss {losses[0]:.4f} (epoch 0) -> {losses[max(losses)]:.4f} (epoch {max(losses)})")
         elif output.group_steps(job.output):  # replica groups: a line per step and group, until the demo's stop
             facts = replica_facts(job)
             weights = f"both at weights {facts['end']['weights']}" if facts["equal"] else "the groups apart"

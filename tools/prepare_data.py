@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python t
 import numpy as np  # noqa: E402
 
 from utils.data import PAD  # noqa: E402
-from utils.helpers import positive_int  # noqa: E402
+from utils.arguments import positive_int  # noqa: E402
 from utils.gpt import SIZES, size_of  # noqa: E402
 
 HELD_OUT_FRACTION = 0.1  # the last tenth of the documents is never trained on

@@ -8,14 +8,17 @@ stop_if_unloadable, require_same_start...; for mp.spawn in step 2, a checked MAS
 workers). Written out in the steps they would be a fifth of each script, and the lesson would drown in them.
 """
 from utils import gpt, synthetic, vision
-from utils.helpers import (being_written, configure_cpu_threads, dcp_folder, exists_on_any_rank, exit_without_teardown,
-                           latest_snapshot, non_negative_int, non_negative_number, positive_int, positive_number,
-                           probability, quiet_torchft, reason, remove, replacing, require_a_gpu_each,
-                           require_epochs_left, require_same_arguments, require_same_start, require_torch_for_fsdp,
-                           require_torchrun, require_tp_fits, require_written_by, snapshot_folder,
-                           step_snapshot, stop_if_unloadable, weights_digest, whole_snapshots, writable_path)
-from utils.launch import (attempt_store, collectives_timeout, mesh_with_timeout, rendezvous_port, said_once_per_node,
-                          stop_on_signals)
+from utils.arguments import non_negative_int, non_negative_number, positive_int, positive_number, probability
+from utils.collectives import weights_digest
+from utils.files import being_written, dcp_folder, remove, replacing, writable_path
+from utils.errors import reason
+from utils.guards import (exists_on_any_rank, require_a_gpu_each, require_same_arguments, require_same_start,
+                          require_torch_for_fsdp, require_torchrun, require_tp_fits)
+from utils.process import configure_cpu_threads, exit_without_teardown, quiet_torchft
+from utils.snapshots import (latest_snapshot, require_epochs_left, require_written_by, snapshot_folder, step_snapshot,
+                             stop_if_unloadable, whole_snapshots)
+from utils.launch import (attempt_store, collectives_timeout, errors_said_once, mesh_with_timeout, rendezvous_port,
+                          said_once_per_node, stop_on_signals)
 from utils.gpt import size_of
 from utils.memory import log_memory, log_slices
 from utils.snapshot_reader import snapshot_to_resume
@@ -48,8 +51,8 @@ def make_workload(name="synthetic", seed=SEED, **options):
     return WORKLOADS[name](seed, **options)
 
 
-__all__ = ["attempt_store", "being_written", "configure_cpu_threads", "dcp_folder", "evaluate", "exists_on_any_rank",
-           "exit_without_teardown", "latest_snapshot", "log_memory", "log_rank_metrics",
+__all__ = ["attempt_store", "being_written", "configure_cpu_threads", "dcp_folder", "errors_said_once", "evaluate",
+           "exists_on_any_rank", "exit_without_teardown", "latest_snapshot", "log_memory", "log_rank_metrics",
            "log_slices", "make_workload", "mesh_with_timeout", "non_negative_int", "non_negative_number",
            "positive_int", "positive_number", "probability", "quiet_torchft", "reason", "remove", "rendezvous_port",
            "replacing", "require_a_gpu_each", "require_epochs_left", "require_same_arguments", "require_same_start",

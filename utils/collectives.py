@@ -9,10 +9,12 @@ tables of --verbose) as the bytes below, which a rank decodes as JSON or keeps a
     gathered_bytes(data, group)     every rank's bytes, in rank order
     gathered_json(value, group)     every rank's JSON-able value (numbers, strings, lists, dicts), in rank order
 """
+import hashlib
 import json
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def _device():
@@ -41,3 +43,16 @@ def gathered_json(value, group=None):
     anything else as its str(). A collective: call it on every rank of `group`."""
     text = json.dumps(value, sort_keys=True, default=str)
     return [json.loads(data) for data in gathered_bytes(text.encode(), group)]
+
+
+def weights_digest(model, device):
+    """Eight hex digits that differ when the weights do: every rank hashes the part of each parameter it holds (a
+    shard under FSDP), and the group sums the hashes. A collective of the default group: call it on every rank.
+    Step 13 prints it at every step, so two replica groups that hold the same weights show the same digits."""
+    hashed = hashlib.sha256()
+    for parameter in model.parameters():
+        local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+        hashed.update(local.detach().float().cpu().numpy().tobytes())
+    total = torch.tensor(int(hashed.hexdigest()[:12], 16), dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return f"{int(total) % 16**8:08x}"

@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from utils.helpers import UNFINISHED, remove
+from utils.files import UNFINISHED, remove
 
 POLL_S = 0.05
 
@@ -269,11 +269,13 @@ def errors_said_once(parser):
 
 @contextlib.contextmanager
 def said_once_per_node(timeout_s):
-    """Around a torchrun worker's checks before its process group forms (its arguments, its files), which every rank of
-    a node makes alike: a mistake they find stops every rank, and is said once, by local rank 0. The other ranks say
-    nothing and wait for torchrun to stop them, which it does as soon as local rank 0 has exited: a rank that exited
-    first would have torchrun stop local rank 0 before it said anything. One that is still waiting after timeout_s
-    (local rank 0 found no mistake: the files changed between their checks) says it too, and exits."""
+    """Around a torchrun worker's checks that every rank of a node makes alike: before its process group forms (its
+    arguments, its files), and after, the resume from a snapshot that every rank reads from the node's disk. A mistake
+    they find stops every rank, and is said once, by local rank 0. The other ranks say nothing and wait for torchrun to
+    stop them, which it does as soon as local rank 0 has exited: a rank that exited first would have torchrun stop
+    local rank 0 before it said anything. One that is still waiting after timeout_s (local rank 0 found no mistake:
+    the files changed between their checks) says it too, and exits. Only a stop with a line (SystemExit("error: ..."))
+    is said once: a crash, with its traceback, ends each rank as it would without this."""
     try:
         yield
     except SystemExit as stop:

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from utils.collectives import gathered_bytes
 from utils.gpt import DROPOUT_VARIABLE, decode, encode, flops_per_token, load_text, size_of, text_needed, unwrap
-from utils.helpers import positive_number, probability, require_dense_gpt
+from utils.arguments import positive_number, probability
+from utils.guards import require_dense_gpt
 
 
 class WarmupCosine:

@@ -21,7 +21,7 @@ from torch.torch_version import TorchVersion
 
 from utils.context import ALL_GATHER
 from utils.gpt import GPT, size_of, unwrap
-from utils.helpers import require_dense_gpt
+from utils.guards import require_dense_gpt
 
 # A schedule that meets an error in a step (a peer gone, a collective that gave up) logs its whole plan, 49 lines on
 # every rank of step 11, before it raises the error again; the error says what happened, and the step's worker turns
@@ -195,7 +195,7 @@ def exported(stage, path):
     one (and the folder by a Ctrl-C). Returns, on rank 0, the GPT read back from the file, on the stage's device (for
     the held-out loss and a sample: what a user of the file does); None elsewhere. A collective: call it on every
     rank."""
-    from utils.helpers import UNFINISHED, being_written, remove, remove_cut_short, replacing
+    from utils.files import UNFINISHED, being_written, remove, remove_cut_short, replacing
 
     weights = whole_weights(stage, to=0)
     if dist.get_rank() != 0:

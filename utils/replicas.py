@@ -28,7 +28,7 @@ import torchft.manager
 from torch.distributed.tensor import DTensor
 from torchft.checkpointing import CheckpointTransport
 
-from utils.helpers import replacing
+from utils.files import replacing
 from utils.launch import SPEAKER_GRACE_S
 
 JSON_VALUES = (type(None), bool, int, float, str)

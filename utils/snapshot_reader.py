@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from utils.helpers import (UnusableSnapshot, latest_snapshot, reason, step_snapshot, stop_if_unloadable,
-                           whole_snapshots)
+from utils.errors import UnusableSnapshot, reason
+from utils.snapshots import latest_snapshot, step_snapshot, stop_if_unloadable, whole_snapshots
 
 # How deeply the objects of a snapshot's pickle may nest, as require_shallow counts (a call's result one deeper than
 # its arguments): DCP's records, 11 levels; a tensor or value the steps save, 4. Hashing a key nested some 100,000 deep

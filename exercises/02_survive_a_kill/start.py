@@ -20,7 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
                    positive_int, replacing)
 from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
-from utils import require_written_by
+from utils import errors_said_once, require_written_by, said_once_per_node
 
 
 def ddp_setup(timeout_s):
@@ -80,7 +80,7 @@ class Trainer:
         print(f"{self.tag} epoch {epoch} | checkpoint saved to checkpoint.pt")
 
     def train(self, max_epochs):
-        for epoch in range(max_epochs):  # TODO 4: start after the epochs already run (none left: say so)
+        for epoch in range(max_epochs):  # TODO 4: start after the epochs already run
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 if self.rank == 0:  # the replicas are identical: one writer
@@ -97,13 +97,18 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 
 
 def main(args):
+    # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
+    with said_once_per_node(args.timeout):
+        workload = load_train_objs(args)  # its data read: missing data stops it here, too
     ddp_setup(args.timeout)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(dist.get_world_size())  # the job's processes share this machine's cores
-    workload = load_train_objs(args)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
-    trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
-                      args.save_every)  # TODO 1: and the snapshot path
+    # A snapshot that every rank finds unusable, or finished already: one line on each node too.
+    with said_once_per_node(args.timeout):
+        trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
+                          args.save_every)  # TODO 1: and the snapshot path
+        # TODO 4: no epochs left after the snapshot's (a finished job run again)? say so: require_epochs_left
     trainer.train(args.total_epochs)
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, workload.classification)
     if trainer.rank == 0:
@@ -120,6 +125,7 @@ if __name__ == "__main__":
     parser.add_argument("--workload", default="synthetic", choices=WORKLOADS, help="What to train")
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
     # TODO 5: --snapshot_path (default snapshot.pt, type=writable_path): where to save and resume from
+    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
     args = parser.parse_args()
 
     require_torchrun()
