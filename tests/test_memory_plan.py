@@ -306,3 +306,43 @@ def test_what_each_rank_sends_over_each_dimension_is_what_the_plan_counts(measur
     off = [(layout, row["rank"], row[key], figures[key]) for layout, row, figures in planned_and_measured(measured)
            if figures[key] != row[key]]
     assert off == [], off
+
+
+def test_fit_plans_only_the_ranks_that_hold_the_most():
+    """fit() plans dp rank 0 of every pp x tp coordinate (memory_plan.fullest_ranks): no rank of the layout holds more
+    than the dp rank 0 of its coordinate, so their largest total is the layout's, for every layout with uneven cuts
+    (the CPU GPT) and the 8B GPT's over 64 GPUs."""
+    big = [Layout(pp, dp, tp, 8, 8, "bf16", checkpointed) for pp, dp, tp in [(1, 8, 8), (4, 4, 4), (8, 8, 1)]
+           for checkpointed in (False, True)]
+    for config, layouts in ((CPU, LAYOUTS), (BIG["8b"], big)):
+        for layout in layouts:
+            rows = plan(config, layout)
+            fullest = memory_plan.fullest_ranks(layout)
+            for row in rows:
+                pp_rank, _, tp_rank = row["coordinates"]
+                first = rows[pp_rank * layout.dp * layout.tp + tp_rank]
+                assert first["rank"] in fullest and row["total"] <= first["total"], (layout, row["rank"])
+            assert max(rows[rank]["total"] for rank in fullest) == max(row["total"] for row in rows), layout
+
+
+@pytest.mark.slow  # arithmetic alone, in this process: 13 s of CPU (every layout of 3 sizes on 8, 64 and 512 GPUs)
+def test_the_worked_example_is_the_largest_gpt_and_layout_the_plan_picks():
+    """docs/reference/plan-at-scale.md's worked example, row by row (8, 64 and 512 H100s): the largest of
+    utils/gpt.SHAPES that some layout fits, the layout of the highest MFU on paper, its planned peak, its step, its MFU
+    and how many layouts fit, as `tools/memory_plan.py --largest` computes them."""
+    from pathlib import Path
+
+    from utils.estimates import GPUS
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "plan-at-scale.md").read_text()
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in page.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert [row[0] for row in rows] == ["8", "64", "512"], rows
+    for gpus, size, _, layout, peak, step, mfu, count in rows:
+        name, layouts, _ = memory_plan.largest(int(gpus), GPUS["h100"])
+        best = layouts[0]
+        picked = " × ".join(f"{dim} {best['layout'][dim]}" for dim in ("pp", "dp", "tp")) + (
+            ", recomputation" if best["layout"]["checkpoint_activations"] else "")
+        assert (size.split()[0], layout, peak, step, mfu, count) == (
+            name.upper(), picked, f"{best['total'] / 2**30:.1f} GiB", f"{best['step']:.2f} s", f"{best['mfu']:.1%}",
+            str(len(layouts))), gpus

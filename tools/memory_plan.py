@@ -51,7 +51,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from utils.estimates import device_flops, mfu, recomputed_flops, step_time  # noqa: E402
+from utils.estimates import GPUS, device_flops, mfu, recomputed_flops, step_time  # noqa: E402
 from utils.gpt import SHAPES, SIZES, load_text  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
@@ -309,8 +309,9 @@ def ranked(config, gpus, gpu, batch_size=8, microbatches=8, precision="bf16"):
     and its MFU on paper (utils.estimates.step_time), each mesh dimension on its link (NVLink when its ranks are one
     node's GPUs, else the network; tp innermost, then dp, then pp, as one_mesh.py orders them)."""
     found = []
-    for layout, total, fits in fit(config, gpus, gpu.memory / GiB, batch_size, microbatches, precision):
-        if not fits or layout.tp > gpu.per_node:
+    for layout, total, fits in fit(config, gpus, gpu.memory / GiB, batch_size, microbatches, precision,
+                                   max_tp=gpu.per_node):
+        if not fits:
             continue
         links = dict(tp="nvlink", dp="network" if layout.tp * layout.dp > gpu.per_node else "nvlink",
                      pp="network" if layout.tp * layout.dp * layout.pp > gpu.per_node else "nvlink")
@@ -339,23 +340,75 @@ def table(rows):
     return "\n".join(lines)
 
 
-def fit(config, gpus, gpu_gib, batch_size=8, microbatches=8, precision="bf16", reshard_after_forward=False):
+def fullest_ranks(layout):
+    """The ranks whose totals are the most any rank of the layout holds: dp rank 0 of every pipeline and tensor-parallel
+    coordinate. The dp ranks of one coordinate differ only in their shards of the weights, of the gradients and of
+    AdamW's state, and torch.chunk cuts the largest pieces first: dp rank 0's total is the largest of them. So fit()
+    plans pp x tp ranks of a layout, not all of them (a 512-GPU layout of dp 64: 64 times fewer)."""
+    return [pp_rank * layout.dp * layout.tp + tp_rank for pp_rank in range(layout.pp) for tp_rank in range(layout.tp)]
+
+
+def fit(config, gpus, gpu_gib, batch_size=8, microbatches=8, precision="bf16", reshard_after_forward=False,
+        max_tp=None):
     """[(layout, the largest rank's total bytes, fits)] for every pp x dp x tp = gpus that one_mesh.py accepts (a
     layer per stage, whole heads and positions per tp rank, micro-batches in rounds of pp), with and without
     activation checkpointing; with reshard_after_forward, pp 1's alone, as ZeRO-3 would run them. A layout fits when
-    its total leaves MARGIN of the GPU's memory free."""
+    its total leaves MARGIN of the GPU's memory free. max_tp: leave out the layouts of a larger tp (a node's GPUs)."""
     results = []
     for pp, tp in ((pp, tp) for pp in range(1, gpus + 1) for tp in range(1, gpus + 1) if gpus % (pp * tp) == 0):
         if 2 * pp > config.n_layer + 2 or config.n_head % tp or config.context % tp or microbatches % pp:
             continue
-        if reshard_after_forward and pp > 1:
+        if reshard_after_forward and pp > 1 or max_tp and tp > max_tp:
             continue
         for checkpointed in (False, True):
             layout = Layout(pp, gpus // (pp * tp), tp, batch_size, microbatches, precision, checkpointed,
                             reshard_after_forward=reshard_after_forward)
-            total = max(row["total"] for row in plan(config, layout))
+            total = max(plan_rank(config, layout, rank)["total"] for rank in fullest_ranks(layout))
             results.append((layout, total, total <= (1 - MARGIN) * gpu_gib * GiB))
     return results
+
+
+def largest(gpus, gpu, batch_size=8, microbatches=8, precision="bf16"):
+    """(size, ranked()'s layouts) of the largest of utils/gpt.SHAPES that some layout of `gpus` fits on `gpu`, and the
+    sizes tried before it that none fits: the worked example of docs/reference/plan-at-scale.md."""
+    too_big = []
+    for size in sorted(BIG, key=lambda name: -sum(weights_of(BIG[name]).values())):
+        layouts = ranked(BIG[size], gpus, gpu, batch_size, microbatches, precision)
+        if layouts:
+            return size, layouts, too_big
+        too_big.append(size)
+    return None, [], too_big
+
+
+def weights_of(config):
+    """{layer name: its weights' count} of the GPT (one_mesh.py's layers: the embedding, the blocks, the head)."""
+    names = ["embed", *(f"block{i}" for i in range(config.n_layer)), "head"]
+    return {name: sum(math.prod(shape) for shape, _ in layer_params(config, name)) for name in names}
+
+
+def largest_lines(gpus, gpu, batch_size=8, microbatches=8, precision="bf16", runners_up=2):
+    """What --largest prints for `gpus` GPUs: the largest GPT that fits and the fastest layouts on paper."""
+    size, layouts, too_big = largest(gpus, gpu, batch_size, microbatches, precision)
+    head = f"{gpus} x {gpu.name} ({gpu.memory / GiB:.1f} GiB, {gpu.per_node} a node): " + "".join(
+        f"{name}: no layout fits; " for name in too_big)
+    if size is None:
+        return [head + "no GPT of utils/gpt.SHAPES fits"]
+
+    def described(row):
+        layout = row["layout"]
+        return (f"pp {layout['pp']} x dp {layout['dp']} x tp {layout['tp']}"
+                + (", recomputation" if layout["checkpoint_activations"] else "")
+                + f": planned peak {row['total'] / GiB:.1f} GiB; a step {row['step']:.2f} s at best (compute "
+                  f"{row['compute']:.2f} + bubble {row['bubble']:.2f} + communication not hidden {row['exposed']:.2f};"
+                  f" tp {row['tp']:.2f}, dp {row['dp']:.2f}, pp {row['pp']:.2f} s on their links), MFU "
+                  f"{row['mfu']:.1%}")
+
+    count = len(layouts)
+    lines = [head + f"{size} ({sum(weights_of(BIG[size]).values()) / 1e9:.1f} billion weights): {count} layout"
+             + ("s fit" if count > 1 else " fits"),
+             "  the best on paper (the highest MFU): " + described(layouts[0])]
+    lines += [f"  then: {described(row)}" for row in layouts[1:1 + runners_up]]
+    return lines
 
 
 def main(argv=None):
@@ -372,7 +425,20 @@ def main(argv=None):
     parser.add_argument("--reshard_after_forward", action="store_true",
                         help="FSDP alone (pp 1) as ZeRO-3 without a pipeline schedule: what if")
     parser.add_argument("--fit", action="store_true", help="which layouts of --gpus fit in --gpu_gib each")
+    parser.add_argument("--largest", type=int, nargs="+", metavar="GPUS",
+                        help="for each number of GPUs, the largest of the big sizes that fits and its fastest layouts")
+    parser.add_argument("--gpu", default="h100", choices=GPUS, help="--largest: the GPU (utils/estimates.GPUS)")
     args = parser.parse_args(argv)
+    if args.largest:
+        batch, M = args.batch_size or 8, args.microbatches or 8
+        precision = args.precision or "bf16"
+        print(f"the largest GPT of utils/gpt.SHAPES ({', '.join(BIG)}) that a layout of one_mesh.py fits (its "
+              f"largest rank's total <= {1 - MARGIN:.0%} of the GPU), tp inside a node; {batch} sequences of "
+              f"{BIG['8b'].context:,} tokens a dp rank in {M} micro-batches, {precision}; its layouts by their MFU "
+              "on paper, best first")
+        for gpus in args.largest:
+            print("\n".join(largest_lines(gpus, GPUS[args.gpu], batch, M, precision)), flush=True)
+        return
     config = config_of(args.size, args.text)
     batch, M = args.batch_size or (8 if args.fit else 4), args.microbatches or (8 if args.fit else 2)
     precision = args.precision or ("bf16" if args.fit else "fp32")

@@ -19,7 +19,9 @@ rank sends to the other ranks (its input less its own split).
 """
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
 from torch.utils._pytree import tree_leaves
 
 # The dispatcher's names of the collectives (c10d's in-place ops, DTensor's functional ones), by what they do.
@@ -83,6 +85,18 @@ class counting_collectives(CommDebugMode):
         self.groups, self.collectives = groups, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # CommDebugMode notes every operation, collective or not, with its inputs' shapes and placements for its
+        # tracing table, which is never printed here; on a step of fake tensors that note costs more than the rest of
+        # the mode (it asks of every operation whether its tensors are fake). An operation that is not a collective
+        # by CommDebugMode's own lists, nor a send, runs as CommDebugMode runs it, unnoted: a DTensor's is handed back
+        # to DTensor (NotImplemented), which runs it as the local operations and collectives the mode then sees.
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        packet = func._overloadpacket
+        if packet not in self.comm_registry and packet not in c10d_collective_ops and packet is not torch.ops.c10d.send:
+            if any(t == DTensor for t in types):
+                return NotImplemented
+            return func(*args, **(kwargs or {}))
         before = sum(self.comm_counts.values())
         out = super().__torch_dispatch__(func, types, args, kwargs)
         # CommDebugMode counted a collective, or a point-to-point send went by, which it leaves uncounted.
