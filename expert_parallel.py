@@ -18,16 +18,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
-                   positive_int, replacing)
-from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
-from utils import errors_said_once, require_written_by, said_once_per_node
-from utils.snapshot_reader import SnapshotReader
-from utils import require_same_arguments, require_same_start
-from utils import exists_on_any_rank, mesh_with_timeout, non_negative_number, size_of
+from utils import (WORKLOADS, attempt_store, configure_cpu_threads, errors_said_once, evaluate, exists_on_any_rank,
+                   exit_without_teardown, log_rank_metrics, make_workload, mesh_with_timeout, non_negative_number,
+                   positive_int, replacing, require_epochs_left, require_same_arguments, require_same_start,
+                   require_torchrun, require_written_by, said_once_per_node, size_of, stop_if_unloadable, writable_path)
+from utils.loop import (WarmupCosine, add_gpt_arguments, check_options, every_rank_rng_state, generate, mfu,
+                        set_rng_state)
 from utils.moe import balance_loss, describe, moe_layers, require_ep_fits, routing_stats, split_experts, whole_grad_norm
-from utils.loop import WarmupCosine, add_gpt_arguments, check_options, every_rank_rng_state, generate, mfu
-from utils.loop import set_rng_state
+from utils.snapshot_reader import SnapshotReader
 
 # The optimizer's state saved weight by weight, under the weights' names (block0.mlp.experts.3.fc.weight's): the ranks
 # hold different experts, whose lists would collide in the one snapshot of the model.

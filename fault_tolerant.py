@@ -23,16 +23,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.utils.data import DataLoader, Dataset
 from torchft import DistributedSampler, Manager, Optimizer, ProcessGroupGloo, ProcessGroupNCCL
 
-from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, make_workload,
-                   positive_int, replacing)
-from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
-from utils import require_written_by
-from utils.snapshot_reader import SnapshotReader
-from utils import require_same_arguments, require_same_start
-from utils import exists_on_any_rank, log_memory, require_torch_for_fsdp
-from utils import non_negative_int, quiet_torchft, weights_digest
+from utils import (WORKLOADS, attempt_store, configure_cpu_threads, evaluate, exists_on_any_rank, exit_without_teardown,
+                   log_memory, make_workload, non_negative_int, positive_int, quiet_torchft, replacing,
+                   require_epochs_left, require_same_arguments, require_same_start, require_torch_for_fsdp,
+                   require_torchrun, require_written_by, stop_if_unloadable, weights_digest, writable_path)
 from utils.launch import errors_said_once, stop_once
 from utils.replicas import CheckpointOverHTTP, bind_torchft_to, reach_the_lighthouse, result_record, save_result
+from utils.snapshot_reader import SnapshotReader
 
 
 def ddp_setup(timeout_s):

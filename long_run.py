@@ -29,18 +29,16 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.tensorboard import SummaryWriter
 
-from utils import WORKLOADS, configure_cpu_threads, exit_without_teardown, log_rank_metrics, positive_int, replacing
-from utils import non_negative_int
-from utils import attempt_store, require_epochs_left, require_torchrun, snapshot_folder, stop_if_unloadable
-from utils import errors_said_once, require_written_by, said_once_per_node
-from utils.snapshot_reader import SnapshotReader, load_seed_checkpoint
-from utils import require_same_arguments, require_same_start
-from utils import exists_on_any_rank, mesh_with_timeout, remove, snapshot_to_resume, step_snapshot, whole_snapshots
-from utils import SEED, being_written, dcp_folder
-from utils.memory import saved_for_backward, state_bytes
-from utils.data import IGNORE, HeldOut, Shares, TokenFile, batch_range, model_of, skip_range, token_loss
-from utils.pipeline import exported, held_out_loss, require_mesh_fits, stage_io
+from utils import (SEED, WORKLOADS, attempt_store, being_written, configure_cpu_threads, dcp_folder, errors_said_once,
+                   exists_on_any_rank, exit_without_teardown, log_rank_metrics, mesh_with_timeout, non_negative_int,
+                   positive_int, remove, replacing, require_epochs_left, require_same_arguments, require_same_start,
+                   require_torchrun, require_written_by, said_once_per_node, snapshot_folder, snapshot_to_resume,
+                   step_snapshot, stop_if_unloadable, whole_snapshots)
+from utils.data import HeldOut, IGNORE, Shares, TokenFile, batch_range, model_of, skip_range, token_loss
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu
+from utils.memory import saved_for_backward, state_bytes
+from utils.pipeline import exported, held_out_loss, require_mesh_fits, stage_io
+from utils.snapshot_reader import SnapshotReader, load_seed_checkpoint
 
 # The optimizer's state saved weight by weight, under the weights' names, its settings too (block3.mlp.fc.weight's
 # lr): the ranks' optimizers hold different weights, whose lists would collide in the one snapshot of the model.

@@ -8,9 +8,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from utils import (WORKLOADS, evaluate, log_rank_metrics, make_workload,
-                   positive_int, replacing)
-from utils import stop_on_signals
+from utils import WORKLOADS, evaluate, log_rank_metrics, make_workload, positive_int, replacing, stop_on_signals
 
 
 class Trainer:

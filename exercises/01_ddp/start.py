@@ -17,9 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
-                   positive_int, replacing)
-from utils import rendezvous_port, require_a_gpu_each
-from utils import stop_on_signals
+                   positive_int, rendezvous_port, replacing, require_a_gpu_each, stop_on_signals)
 
 
 # TODO 1: ddp_setup(rank, world_size, timeout_s): init_process_group (gloo on CPU, nccl on GPU) with a timeout

@@ -17,10 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
-                   positive_int, replacing)
-from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
-from utils import errors_said_once, require_written_by, said_once_per_node
+from utils import (WORKLOADS, attempt_store, configure_cpu_threads, errors_said_once, evaluate, exit_without_teardown,
+                   log_rank_metrics, make_workload, positive_int, replacing, require_epochs_left, require_torchrun,
+                   require_written_by, said_once_per_node, stop_if_unloadable, writable_path)
 
 
 def ddp_setup(timeout_s):

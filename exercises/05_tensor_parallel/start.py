@@ -22,14 +22,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_teardown, log_rank_metrics, make_workload,
-                   positive_int, replacing)
-from utils import attempt_store, require_epochs_left, require_torchrun, stop_if_unloadable, writable_path
-from utils import errors_said_once, require_written_by, said_once_per_node
+from utils import (SEED, WORKLOADS, attempt_store, configure_cpu_threads, errors_said_once, evaluate,
+                   exists_on_any_rank, exit_without_teardown, log_memory, log_rank_metrics, log_slices, make_workload,
+                   mesh_with_timeout, positive_int, replacing, require_epochs_left, require_same_arguments,
+                   require_same_start, require_torch_for_fsdp, require_torchrun, require_tp_fits, require_written_by,
+                   said_once_per_node, stop_if_unloadable, writable_path)
 from utils.snapshot_reader import SnapshotReader
-from utils import require_same_arguments, require_same_start
-from utils import exists_on_any_rank, log_memory, require_torch_for_fsdp
-from utils import SEED, log_slices, mesh_with_timeout, require_tp_fits
 
 # Megatron-style: q, k, v and the MLP's first matrix split by rows (a rank computes n_head/tp heads), the matrices
 # after them by columns, their partial sums all-reduced over tp; backward all-reduces once at each input.
