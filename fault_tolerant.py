@@ -26,7 +26,8 @@ from torchft import DistributedSampler, Manager, Optimizer, ProcessGroupGloo, Pr
 from utils import (WORKLOADS, attempt_store, configure_cpu_threads, evaluate, exists_on_any_rank, exit_without_teardown,
                    log_memory, make_workload, non_negative_int, positive_int, quiet_torchft, replacing,
                    require_epochs_left, require_same_arguments, require_same_start, require_torch_for_fsdp,
-                   require_torchrun, require_written_by, stop_if_unloadable, weights_digest, writable_path)
+                   require_torchrun, require_written_by, stop_if_unloadable, watch_this_worker, weights_digest,
+                   writable_path)
 from utils.launch import errors_said_once, stop_once
 from utils.replicas import CheckpointOverHTTP, bind_torchft_to, reach_the_lighthouse, result_record, save_result
 from utils.snapshot_reader import SnapshotReader
@@ -240,6 +241,9 @@ def main(args):
     # this machine reaches it by is where the group's servers listen (torchft's Manager listens on every interface).
     host = reach_the_lighthouse(args.lighthouse, args.timeout)
     bind_torchft_to(host)
+    # From here on this worker stops with one line, never a hang or a traceback: the group must form within --timeout,
+    # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
+    watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")

@@ -33,7 +33,7 @@ from utils import (SEED, WORKLOADS, attempt_store, being_written, configure_cpu_
                    exists_on_any_rank, exit_without_teardown, log_rank_metrics, mesh_with_timeout, non_negative_int,
                    positive_int, remove, replacing, require_epochs_left, require_same_arguments, require_same_start,
                    require_torchrun, require_written_by, said_once_per_node, snapshot_folder, snapshot_to_resume,
-                   step_snapshot, stop_if_unloadable, whole_snapshots)
+                   step_snapshot, stop_if_unloadable, watch_this_worker, whole_snapshots)
 from utils.data import HeldOut, IGNORE, Shares, TokenFile, batch_range, model_of, skip_range, token_loss
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu
 from utils.memory import saved_for_backward, state_bytes
@@ -306,6 +306,9 @@ def main(args):
         # The snapshot to go on from: the last one in the folder, or --resume_from's (kept, and no later ones left).
         resume = snapshot_to_resume(args.snapshot_path, args.resume_from)
         train_tokens, held_out_tokens, model, make_optimizer = load_train_objs(args)  # files with sequences in them
+    # From here on this worker stops with one line, never a hang or a traceback: the group must form within --timeout,
+    # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
+    watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")

@@ -30,7 +30,7 @@ from utils import (SEED, WORKLOADS, attempt_store, being_written, configure_cpu_
                    evaluate, exists_on_any_rank, exit_without_teardown, log_rank_metrics, make_workload,
                    mesh_with_timeout, positive_int, replacing, require_epochs_left, require_same_arguments,
                    require_same_start, require_torchrun, require_written_by, said_once_per_node, stop_if_unloadable,
-                   writable_path)
+                   watch_this_worker, writable_path)
 from utils.loop import WarmupCosine, add_gpt_arguments, check_options, generate, mfu
 from utils.memory import saved_for_backward, state_bytes
 from utils.pipeline import exported, require_a_batch, require_mesh_fits, stage_io
@@ -241,6 +241,9 @@ def main(args):
         check_options(args)  # an option that cannot run here: one line, before anything
         require_mesh_fits(args, int(os.environ["WORLD_SIZE"]))  # whole grids, whole heads, stages: else one line
         workload = load_train_objs(args)  # its data read: missing data stops it here, too
+    # From here on this worker stops with one line, never a hang or a traceback: the group must form within --timeout,
+    # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
+    watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")

@@ -164,6 +164,7 @@ def stopped_as_rank_0(monkeypatch, step, world_size, *args):
         raise AssertionError(f"{step} went on to form its process group: no check stopped it")
 
     monkeypatch.setattr(sys, "argv", [step, "2", "1", *map(str, args)])
+    monkeypatch.setattr(utils, "watch_this_worker", reached)
     monkeypatch.setattr(utils, "attempt_store", reached)
     for name, value in {"LOCAL_RANK": "0", "RANK": "0", "LOCAL_WORLD_SIZE": world_size,
                         "WORLD_SIZE": world_size}.items():

@@ -41,8 +41,8 @@ def test_the_rank_unlike_the_others_at_the_first_parting_is_found_with_its_colle
 
 
 def test_the_lone_rank_may_be_any_rank_and_the_line_is_start_pys_innermost():
-    found = parting(dumps([("all_reduce", 158)], [("all_reduce", 158)], [("barrier", 186)]), START)
-    assert (found["rank"], found["collective"], found["line"]) == (2, "barrier", 186)
+    found = parting(dumps([("all_reduce", 158)], [("all_reduce", 158)], [("barrier", 188)]), START)
+    assert (found["rank"], found["collective"], found["line"]) == (2, "barrier", 188)
 
 
 def test_ranks_that_never_part_or_part_evenly_name_no_rank():
@@ -208,7 +208,7 @@ def test_the_mistakes_learners_make_each_get_their_own_verdict(tmp_path):
         # the diagnosis: the rank that waited (the others), not the one out of step
         (r'"branch": \{"rank": 0,', '"branch": {"rank": 1,'),
         # the diagnosis: the line of the collective the others called (the barrier), not rank 2's
-        (r'"heldout": \{"rank": 2, "collective": "barrier", "line": 186\}',
+        (r'"heldout": \{"rank": 2, "collective": "barrier", "line": 188\}',
          '"heldout": {"rank": 2, "collective": "barrier", "line": 158}'),
         # the diagnosis: the collective the others called there
         (r'"order": \{"rank": 0, "collective": "broadcast",', '"order": {"rank": 0, "collective": "barrier",'),

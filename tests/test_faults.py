@@ -23,7 +23,7 @@ import torch.distributed as dist
 from expect import small_disk, snapshot_of
 from harness.jobs import REPO, free_port, output, python, run, start, torchrun, torchrun_node
 from harness.jobs.processes import child_pids
-from utils import attempt_store, make_workload, replacing, writable_path
+from utils import make_workload, replacing, watch_this_worker, writable_path
 
 STARTUP = 60  # generous: starting torchrun and its workers takes 5 s here, 20 s on a loaded 2-core machine
 ROOT = os.geteuid() == 0
@@ -114,7 +114,7 @@ def test_workers_of_a_torchrun_killed_with_sigkill_stop_at_once_and_write_throug
 
 
 def worker_that_works_on_after_its_group(output_fd, go_fd, timeout_s):
-    """A torchrun worker, in a forked copy: it forms a process group (one rank, gloo) under attempt_store's watch,
+    """A torchrun worker, in a forked copy: it forms a process group (one rank, gloo) under watch_this_worker's watch,
     destroys it, and works on past --timeout, as a learner's script that evaluates or plots after the teardown does;
     then it tells its launcher (its parent) to exit, and waits to be stopped."""
     try:
@@ -123,7 +123,7 @@ def worker_that_works_on_after_its_group(output_fd, go_fd, timeout_s):
         os.write(2, f"worker {os.getpid()}\n".encode())
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         os.environ["RANK"] = "0"
-        attempt_store(timeout_s)
+        watch_this_worker(timeout_s)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         dist.all_reduce(torch.ones(1))
         time.sleep(0.5)  # training: the watch, which looks every 50 ms until the group has formed, sees it

@@ -53,8 +53,9 @@ def run_until_it_starts(monkeypatch, tmp_path, command):
     monkeypatch.setattr(sys, "argv", [name, *arguments])
     monkeypatch.setattr(torch.cuda, "device_count", lambda: per_node if gpus else 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    # Where the steps start their work: torchrun's steps at attempt_store (the store of their process group, which
-    # would also start a watch that ends the process), step 2 at mp.spawn, step 1 at its workload.
+    # Where the steps start their work: torchrun's steps at watch_this_worker (its watch would end this process), just
+    # before the store of their process group (attempt_store), step 2 at mp.spawn, step 1 at its workload.
+    monkeypatch.setattr(utils, "watch_this_worker", accept)
     monkeypatch.setattr(utils, "attempt_store", accept)
     # Step 13 reaches its lighthouse first, before its process group (nothing answers here: it would wait --timeout,
     # then end this process with one line).

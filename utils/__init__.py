@@ -18,7 +18,7 @@ from utils.process import configure_cpu_threads, exit_without_teardown, quiet_to
 from utils.snapshots import (latest_snapshot, require_epochs_left, require_written_by, snapshot_folder, step_snapshot,
                              stop_if_unloadable, whole_snapshots)
 from utils.launch import (attempt_store, collectives_timeout, errors_said_once, mesh_with_timeout, rendezvous_port,
-                          said_once_per_node, stop_on_signals)
+                          said_once_per_node, stop_on_signals, watch_this_worker)
 from utils.gpt import size_of
 from utils.memory import log_memory, log_slices
 from utils.snapshot_reader import snapshot_to_resume
@@ -57,5 +57,5 @@ __all__ = ["attempt_store", "being_written", "configure_cpu_threads", "dcp_folde
            "positive_int", "positive_number", "probability", "quiet_torchft", "reason", "remove", "rendezvous_port",
            "replacing", "require_a_gpu_each", "require_epochs_left", "require_same_arguments", "require_same_start",
            "require_torch_for_fsdp", "require_torchrun", "require_tp_fits", "require_written_by", "said_once_per_node",
-           "SEED", "size_of", "snapshot_folder", "snapshot_to_resume", "step_snapshot", "stop_if_unloadable", "stop_on_signals",
+           "SEED", "size_of", "snapshot_folder", "snapshot_to_resume", "step_snapshot", "stop_if_unloadable", "stop_on_signals", "watch_this_worker",
            "weights_digest", "whole_snapshots", "WORKLOADS", "writable_path"]

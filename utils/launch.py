@@ -186,10 +186,34 @@ def _one_line_for_known_causes(timeout_s, shown):
     return hook
 
 
+def watch_this_worker(timeout_s, rendezvous_s=None):
+    """Make this torchrun worker stop with one line instead of hanging or printing a traceback; call it in main, just
+    before the process group forms. timeout_s is the job's --timeout; rendezvous_s, when given, bounds the forming of
+    the group instead (a busy machine can take far longer to start every rank than a collective may wait for one).
+
+    - A watch (a daemon thread): if the process group has not formed within that bound, the worker stops with one line
+      (gloo's own connect can wait 5 x the timeout); if torchrun is gone, it stops with one line instead of training on
+      alone, writing the snapshot a new job reads.
+    - Ctrl-C (torchrun passes it to every worker): the temporary being written is removed, local rank 0 says in one
+      line what is kept, and the worker ends (exit 130), instead of a KeyboardInterrupt traceback per rank.
+    - An error whose cause is known (a collective that gave up waiting for a peer, above all): one line, not a
+      traceback.
+    - Every line this worker prints reaches the terminal or the log in one write: unbuffered (PYTHONUNBUFFERED, as a
+      job runner sets it), Python writes a message and its newline apart, and two ranks' one-line errors, printed at
+      the same moment, ran together on one line.
+    """
+    threading.Thread(target=_watch, args=(timeout_s, os.getppid(), rendezvous_s), daemon=True).start()
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=False)
+    signal.signal(signal.SIGINT, _stop_on_ctrl_c)
+    sys.excepthook = _one_line_for_known_causes(timeout_s, sys.excepthook)
+
+
 def attempt_store(timeout_s, rendezvous_s=None):
     """The store the workers of this torchrun attempt form their process group in: pass it to init_process_group.
-    timeout_s is the job's --timeout, which each collective gets; rendezvous_s, when given, bounds the forming of the
-    group instead (a busy machine can take far longer to start every rank than a collective may wait for one).
+    timeout_s is the job's --timeout; rendezvous_s, when given, bounds the forming of the group instead (as
+    watch_this_worker's).
 
     Why: since torch 2.5, torchrun keeps one store for the whole job and hands it to every attempt's workers, and the
     process group writes each rank's address under the same keys at every attempt. After a restart, a rank can read
@@ -201,20 +225,8 @@ def attempt_store(timeout_s, rendezvous_s=None):
     attempt a store of its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or torch < 2.5), there is nothing to do:
     None, and init_process_group uses the usual env:// rendezvous.
 
-    It also bounds this worker's life: if the process group has not formed within that bound it stops with one line
-    (gloo's own connect can wait 5 x the timeout), and if torchrun is gone it stops with one line instead of
-    training on alone, writing the snapshot a new job reads. Ctrl-C, and an error whose cause is known (a collective
-    that gave up waiting for a peer, above all), stop it with one line, not a traceback.
+    The store itself has no side effect on this process: watch_this_worker, called before, bounds the wait.
     """
-    threading.Thread(target=_watch, args=(timeout_s, os.getppid(), rendezvous_s), daemon=True).start()
-    # Every line this worker prints reaches the terminal or the log in one write: unbuffered (PYTHONUNBUFFERED, as a
-    # job runner sets it), Python writes a message and its newline apart, and two ranks' one-line errors, printed at
-    # the same moment, ran together on one line.
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(line_buffering=True, write_through=False)
-    signal.signal(signal.SIGINT, _stop_on_ctrl_c)
-    sys.excepthook = _one_line_for_known_causes(timeout_s, sys.excepthook)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     deadline = time.monotonic() + (rendezvous_s or timeout_s)
@@ -236,7 +248,7 @@ def attempt_store(timeout_s, rendezvous_s=None):
                 quoted, _, attempt = store.get(f"answer/{rank}").decode().partition(":")
                 if quoted == nonce:  # no earlier attempt can have written this nonce
                     break
-            time.sleep(POLL_S)  # the watch above stops this process when the time is up
+            time.sleep(POLL_S)  # watch_this_worker's watch stops this process when the time is up
     return dist.PrefixStore(f"attempt{attempt}", store)
 
 
@@ -290,7 +302,7 @@ def stop_on_signals():
     """In a step's own process (step 1's, or step 2's, which starts the workers with mp.spawn): SIGINT (Ctrl-C,
     `kill -INT`) and SIGTERM end it with one line, and stop its workers too, at once. Without it Python prints a
     KeyboardInterrupt traceback, and step 2's exit waits for the workers, which train on to the last epoch. A torchrun
-    worker has a handler of its own (attempt_store installs it). A save under way is undone (utils.replacing removes
+    worker has a handler of its own (watch_this_worker installs it). A save under way is undone (utils.replacing removes
     the file being written), so the checkpoint on disk is the last one saved, whole."""
     def stop(signum, _frame):
         workers = multiprocessing.active_children()

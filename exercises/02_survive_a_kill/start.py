@@ -19,7 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from utils import (WORKLOADS, attempt_store, configure_cpu_threads, errors_said_once, evaluate, exit_without_teardown,
                    log_rank_metrics, make_workload, positive_int, replacing, require_epochs_left, require_torchrun,
-                   require_written_by, said_once_per_node, stop_if_unloadable, writable_path)
+                   require_written_by, said_once_per_node, stop_if_unloadable, watch_this_worker, writable_path)
 
 
 def ddp_setup(timeout_s):
@@ -99,6 +99,9 @@ def main(args):
     # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
     with said_once_per_node(args.timeout):
         workload = load_train_objs(args)  # its data read: missing data stops it here, too
+    # From here on this worker stops with one line, never a hang or a traceback: the group must form within --timeout,
+    # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
+    watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     configure_cpu_threads(dist.get_world_size())  # the job's processes share this machine's cores

@@ -21,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, attempt_store, configure_cpu_threads, errors_said_once, evaluate, exit_without_teardown,
                    log_rank_metrics, make_workload, positive_int, replacing, require_epochs_left,
                    require_same_arguments, require_same_start, require_torchrun, require_written_by, said_once_per_node,
-                   stop_if_unloadable, writable_path)
+                   stop_if_unloadable, watch_this_worker, writable_path)
 from utils.loop import (WarmupCosine, add_gpt_arguments, check_options, every_rank_rng_state, generate, mfu,
                         set_rng_state)
 
@@ -149,6 +149,9 @@ def main(args):
     with said_once_per_node(args.timeout):
         check_options(args)  # an option that cannot run here: one line, before anything
         workload = load_train_objs(args)  # its data read: missing data stops it here, too
+    # From here on this worker stops with one line, never a hang or a traceback: the group must form within --timeout,
+    # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
+    watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")

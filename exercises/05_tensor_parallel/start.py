@@ -26,7 +26,7 @@ from utils import (SEED, WORKLOADS, attempt_store, configure_cpu_threads, errors
                    exists_on_any_rank, exit_without_teardown, log_memory, log_rank_metrics, log_slices, make_workload,
                    mesh_with_timeout, positive_int, replacing, require_epochs_left, require_same_arguments,
                    require_same_start, require_torch_for_fsdp, require_torchrun, require_tp_fits, require_written_by,
-                   said_once_per_node, stop_if_unloadable, writable_path)
+                   said_once_per_node, stop_if_unloadable, watch_this_worker, writable_path)
 from utils.snapshot_reader import SnapshotReader
 
 # Megatron-style: q, k, v and the MLP's first matrix split by rows (a rank computes n_head/tp heads), the matrices
@@ -155,6 +155,9 @@ def main(args):
         require_tp_fits(args, int(os.environ["WORLD_SIZE"]))
         require_torch_for_fsdp()  # FSDP on CPU processes needs torch 2.9: else one line
         workload = load_train_objs(args)  # its data read: missing data stops it here, too
+    # From here on this worker stops with one line, never a hang or a traceback: the group must form within --timeout,
+    # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
+    watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")

@@ -22,7 +22,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils import (WORKLOADS, attempt_store, configure_cpu_threads, errors_said_once, evaluate, exit_without_teardown,
                    log_rank_metrics, make_workload, mesh_with_timeout, positive_int, replacing, require_epochs_left,
                    require_same_arguments, require_same_start, require_torchrun, require_written_by, said_once_per_node,
-                   stop_if_unloadable, writable_path)
+                   stop_if_unloadable, watch_this_worker, writable_path)
 from utils.context import require_cp_fits, split_sequence
 from utils.loop import (WarmupCosine, add_gpt_arguments, check_options, every_rank_rng_state, generate, mfu,
                         set_rng_state)
@@ -164,6 +164,9 @@ def main(args):
         # Whole cp groups, and a context that cuts into 2 x cp chunks of equal length: else one line, before anything.
         require_cp_fits(args, int(os.environ["WORLD_SIZE"]))
         workload = load_train_objs(args)  # its data read: missing data stops it here, too
+    # From here on this worker stops with one line, never a hang or a traceback: the group must form within --timeout,
+    # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
+    watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
     require_same_arguments(args)  # every node started with the same command?
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from utils import (SEED, attempt_store, configure_cpu_threads, exit_without_teardown, positive_int,
-                   require_torch_for_fsdp, writable_path)
+                   require_torch_for_fsdp, watch_this_worker, writable_path)
 from utils.synthetic import teacher_data
 
 
@@ -84,6 +84,8 @@ def shard(model, mesh):
 
 def main(args):
     require_torch_for_fsdp()  # FSDP on CPU processes needs torch 2.9: else one line
+    # From here on a hang, a lost torchrun or Ctrl-C stops this worker with one line (utils/launch.py).
+    watch_this_worker(args.timeout)
     dist.init_process_group("gloo", store=attempt_store(args.timeout), rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=args.timeout))
     rank, world_size = dist.get_rank(), dist.get_world_size()

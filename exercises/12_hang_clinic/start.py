@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from utils import attempt_store, collectives_timeout, configure_cpu_threads, exit_without_teardown, positive_int
-from utils.launch import dump_flight_recorder, flight_recorder_on
+from utils.launch import dump_flight_recorder, flight_recorder_on, watch_this_worker
 
 # Your diagnosis of each case, as start.py is given: the rank out of step with the others, the collective that rank
 # called where the others called another one, and the line of start.py that called it.
@@ -177,6 +177,8 @@ def run_case(case, rank, world_size):
 
 def main(args):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # From here on a hang, a lost torchrun or Ctrl-C stops this worker with one line (utils/launch.py).
+    watch_this_worker(args.timeout, args.rendezvous_timeout)
     dist.init_process_group("gloo", store=attempt_store(args.timeout, args.rendezvous_timeout), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=args.rendezvous_timeout))
     collectives_timeout(args.timeout)  # the group waits for every rank to start; a collective, only --timeout

@@ -4,7 +4,7 @@ rank runs as many all-reduces (a rank out of samples adds zeros). The diagnosis 
 (`dist.reduce()`) and gives a line as `start.py:N`."""
 DIAGNOSIS = {
     "branch": {"rank": 0, "collective": "dist.reduce()", "line": "start.py:93"},
-    "heldout": {"rank": 2, "collective": "dist.barrier()", "line": 186},
+    "heldout": {"rank": 2, "collective": "dist.barrier()", "line": 188},
     "order": {"rank": 0, "collective": "torch.distributed.broadcast", "line": 125},
 }
 

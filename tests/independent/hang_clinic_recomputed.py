@@ -4,7 +4,7 @@ rank warms the weights up itself, every rank evaluates every held-out sample its
 each rank can compute them alone."""
 DIAGNOSIS = {
     "branch": {"rank": 0, "collective": "reduce", "line": 93},
-    "heldout": {"rank": 2, "collective": "barrier", "line": 186},
+    "heldout": {"rank": 2, "collective": "barrier", "line": 188},
     "order": {"rank": 0, "collective": "broadcast", "line": 125},
 }
 
