@@ -59,12 +59,14 @@ class Trainer:
         self.schedule = WarmupCosine(args.total_epochs * self.steps_per_epoch)  # warm-up, then a cosine
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule)
         self.dtype = {"bf16": torch.bfloat16}.get(args.precision)  # None: fp32
-        torch.manual_seed(1 + self.global_rank)  # the weights are built: each rank its own dropout masks
+        # The weights are built: each rank its own dropout masks.
+        torch.manual_seed(1 + self.global_rank)
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path, self.ep = snapshot_path, mesh["ep"].get_group()
         # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
         self.epochs_run = self._load_snapshot() if exists_on_any_rank(snapshot_path, device) else 0
-        require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
+        # Each node read the snapshot from its own disk.
+        require_same_start(self.epochs_run, device)
         # An expert's gradient sums the losses of every ep rank whose tokens it took: a DDP of its own averages it
         # over its dp copies, and / ep makes it, like every other gradient, the mean over all ranks.
         ids, self.syncs = [device.index] if device.type == "cuda" else None, []
@@ -81,7 +83,8 @@ class Trainer:
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
-            reader = SnapshotReader(self.snapshot_path)  # read once, as data only: a planted folder runs no code
+            # Read once, as data only: a planted folder runs no code.
+            reader = SnapshotReader(self.snapshot_path)
             require_written_by("expert_parallel.py", self.snapshot_path, reader)
             # Each rank reads its own experts and the rest, by their names, from a snapshot of any --ep: DCP fills
             # the tensors of the dict below in place.
@@ -92,7 +95,8 @@ class Trainer:
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                            options=BY_NAME)
             self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])
-            set_rng_state(snapshot["RNG_STATES"], self.global_rank)  # this rank's dropout, where it left off
+            # This rank's dropout, where it left off.
+            set_rng_state(snapshot["RNG_STATES"], self.global_rank)
             epochs_run = snapshot["EPOCHS_RUN"]
         self.schedule.resume(self.scheduler.last_epoch, (self.args.total_epochs - epochs_run) * self.steps_per_epoch)
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
@@ -119,19 +123,24 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
+        # A new shuffle each epoch, the same on every rank.
+        self.train_data.sampler.set_epoch(epoch)
+        # [summed loss, samples], kept on the device.
+        totals = torch.zeros(2, device=self.device)
         batches, K = len(self.train_data), self.args.grad_accum
         for i, (source, targets) in enumerate(self.train_data):
             source, targets = source.to(self.device), targets.to(self.device)
-            micro_batches = min(K, batches - i // K * K)  # K, or what is left for the epoch's last step
+            # K, or what is left for the epoch's last step.
+            micro_batches = min(K, batches - i // K * K)
             totals[0] += self._run_batch(source, targets, micro_batches, i % K + 1 == micro_batches) * len(source)
             totals[1] += len(source)
         # What the routers did this epoch: the tokens each expert got, the aux loss, the bytes the all-to-alls moved.
         routing = routing_stats(self.model)
         log_rank_metrics(epoch, self.steps_per_epoch, totals, start, **routing)
-        dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
-        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
+        # Summed over the ranks: the loss below is their mean.
+        dist.all_reduce(totals)
+        # Waits for the device: the clock below is honest.
+        mean_loss = (totals[0] / totals[1]).item()
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         tokens_per_s = samples_per_s * source.shape[1]  # the whole job's
         utilisation = mfu(self.model, tokens_per_s, self.device, self.args.peak_tflops)
@@ -158,9 +167,11 @@ class Trainer:
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                rng_states = every_rank_rng_state()  # every rank's dropout generators, as bytes: no pickle
+                # Every rank's dropout generators, as bytes: no pickle.
+                rng_states = every_rank_rng_state()
                 self._save_snapshot(epoch, rng_states)  # sharded: every rank writes its part
-                dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
+                # No rank runs ahead of a snapshot not on disk yet.
+                dist.barrier()
 
 
 def load_train_objs(args):
@@ -177,20 +188,25 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 def main(args):
     # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
     with said_once_per_node(args.timeout):
-        check_options(args)  # an option that cannot run here: one line, before anything
+        # An option that cannot run here: one line, before anything.
+        check_options(args)
         # Whole ep groups, each rank as many experts as the others: else one line, before anything starts.
         require_ep_fits(args.ep, args.top_k, size_of(args.workload).experts, int(os.environ["WORLD_SIZE"]))
-        workload = load_train_objs(args)  # its data read: missing data stops it here, too
+        # Its data read: missing data stops it here, too.
+        workload = load_train_objs(args)
     # From here on this worker stops with one line, never a hang or a traceback: the group must form within --timeout,
     # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
     watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
-    require_same_arguments(args)  # every node started with the same command?
+    # Every node started with the same command?
+    require_same_arguments(args)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
+    # Only this node's processes share its cores.
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
     # dp x ep, rank = d * ep + e: an ep group's ranks are neighbours, on one node, whose links the all-to-alls need.
     mesh = init_device_mesh(device.type, (dist.get_world_size() // args.ep, args.ep), mesh_dim_names=("dp", "ep"))
-    mesh_with_timeout(mesh, args.timeout)  # the groups it made give up after --timeout too
+    # The groups it made give up after --timeout too.
+    mesh_with_timeout(mesh, args.timeout)
     # Each rank keeps 1/ep of every layer's experts; the tokens of the others travel to them and back (utils/moe.py).
     # So the ranks of an ep group read different data, like any two ranks: the sampler splits it over all of them.
     split_experts(workload.model, mesh["ep"].get_group())
@@ -208,7 +224,8 @@ def main(args):
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
         print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
     dist.destroy_process_group()
-    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
+    # Python's teardown can abort under gloo: see utils.
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
@@ -229,7 +246,8 @@ if __name__ == "__main__":
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: weights stay fp32")
     parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step (inf: no clip)")
     add_gpt_arguments(parser)  # --text, --dropout, --peak_tflops
-    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
+    # Torchrun gives every rank the same arguments: a mistake in them is said once.
+    errors_said_once(parser)
     args = parser.parse_args()
 
     require_torchrun()

@@ -56,7 +56,8 @@ class Trainer:
         for module in [*model.children(), model]:
             fully_shard(module, **fsdp)
             module.set_all_reduce_hook(lambda shard: self.manager.allreduce(shard).wait())
-        self.optimizer = make_optimizer(model)  # after fully_shard: it steps the shards
+        # After fully_shard: it steps the shards.
+        self.optimizer = make_optimizer(model)
         self.train_data = train_data
         self.loss_fn = loss_fn
         self.save_every = save_every
@@ -78,7 +79,8 @@ class Trainer:
         self.ft_optimizer = Optimizer(self.manager, self.optimizer)
         # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
         self.epochs_run = self._load_snapshot() if exists_on_any_rank(self.snapshot_path, device) else 0
-        require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
+        # Each node read the snapshot from its own disk.
+        require_same_start(self.epochs_run, device)
 
     def _make_manager(self, args, host):
         timeout = timedelta(seconds=args.timeout)
@@ -113,7 +115,8 @@ class Trainer:
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
-            reader = SnapshotReader(self.snapshot_path)  # read once, as data only: a planted folder runs no code
+            # Read once, as data only: a planted folder runs no code.
+            reader = SnapshotReader(self.snapshot_path)
             require_written_by("fault_tolerant.py", self.snapshot_path, reader)
             # Each rank reads only its own shards, into the (sharded) state it already has.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
@@ -204,12 +207,14 @@ class Trainer:
             epochs_done, into_epoch = divmod(done, steps_per_epoch)
             if done > step and into_epoch == 0 and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
                 self._save_snapshot(epochs_done - 1)  # sharded: every rank writes its part
-                dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
+                # No rank runs ahead of a snapshot not on disk yet.
+                dist.barrier()
         log_memory("end", self.model, self.optimizer, self.device, self.verbose)
 
 
 def load_train_objs(args):
-    return make_workload(args.workload)  # data, model, optimizer and loss, as in every step
+    # Data, model, optimizer and loss, as in every step.
+    return make_workload(args.workload)
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int, group: int, groups: int):
@@ -234,7 +239,8 @@ def epoch_share(sampler, epoch):
 
 
 def main(args):
-    require_torch_for_fsdp()  # FSDP on CPU processes needs torch 2.9: else one line
+    # FSDP on CPU processes needs torch 2.9: else one line.
+    require_torch_for_fsdp()
     # torch's warnings about torchft's calls, its checkpoint server's log of each request: silenced at their cause.
     quiet_torchft()
     # Every rank, before anything that waits for another: the lighthouse answers (else one line), and the interface
@@ -245,9 +251,11 @@ def main(args):
     # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
     watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
-    require_same_arguments(args)  # every node started with the same command?
+    # Every node started with the same command?
+    require_same_arguments(args)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
+    # Only this node's processes share its cores.
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
     workload = load_train_objs(args)
     # bf16 compute; the gradients reduce-scattered in fp32 (a bf16 sum of many ranks' gradients loses their low bits);
     # fp32 outputs for the loss; offloaded shards in CPU memory (pinned for GPUs).
@@ -271,11 +279,13 @@ def main(args):
             print(f"{trainer.tag} {trainer.result_path} is kept: it holds a result of {kept['batches']} batches of the "
                   f"groups, this group's of {record['batches']}")
         else:
-            save_result(full_model, record, trainer.result_path)  # a plain state_dict: loads without torch.distributed
+            # A plain state_dict: loads without torch.distributed.
+            save_result(full_model, record, trainer.result_path)
             print(f"{trainer.tag} full model saved to {trainer.result_path} (step {record['steps']}, "
                   f"{record['batches']} batches of the groups)")
     dist.destroy_process_group()
-    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
+    # Python's teardown can abort under gloo: see utils.
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
@@ -294,7 +304,8 @@ if __name__ == "__main__":
     parser.add_argument("--bf16", action="store_true", help="FSDP: compute in bfloat16")
     parser.add_argument("--cpu_offload", action="store_true", help="FSDP: keep the shards in CPU memory")
     parser.add_argument("--verbose", action="store_true", help="Print every rank's memory at each epoch")
-    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
+    # Torchrun gives every rank the same arguments: a mistake in them is said once.
+    errors_said_once(parser)
     args = parser.parse_args()
 
     if args.group >= args.groups:

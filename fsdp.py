@@ -47,7 +47,8 @@ class Trainer:
         # Each block, then the root: one block's full weights exist at a time; each parameter becomes a 1/N shard.
         for module in [*model.children(), model] if fsdp else []:
             fully_shard(module, **fsdp)
-        self.optimizer = make_optimizer(model)  # after fully_shard: it steps the shards
+        # After fully_shard: it steps the shards.
+        self.optimizer = make_optimizer(model)
         self.train_data = train_data
         self.loss_fn = loss_fn
         self.save_every = save_every
@@ -56,13 +57,15 @@ class Trainer:
         self.verbose = verbose
         # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
         self.epochs_run = self._load_snapshot() if exists_on_any_rank(snapshot_path, device) else 0
-        require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
+        # Each node read the snapshot from its own disk.
+        require_same_start(self.epochs_run, device)
         # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward().
         self.model = self.model if fsdp else DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
-            reader = SnapshotReader(self.snapshot_path)  # read once, as data only: a planted folder runs no code
+            # Read once, as data only: a planted folder runs no code.
+            reader = SnapshotReader(self.snapshot_path)
             require_written_by("fsdp.py", self.snapshot_path, reader)
             # Each rank reads only its own shards, into the (sharded) state it already has.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
@@ -82,15 +85,19 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
+        # A new shuffle each epoch, the same on every rank.
+        self.train_data.sampler.set_epoch(epoch)
+        # [summed loss, samples], kept on the device.
+        totals = torch.zeros(2, device=self.device)
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
         log_rank_metrics(epoch, len(self.train_data), totals, start)
-        dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
-        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
+        # Summed over the ranks: the loss below is their mean.
+        dist.all_reduce(totals)
+        # Waits for the device: the clock below is honest.
+        mean_loss = (totals[0] / totals[1]).item()
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         if self.global_rank == 0:
             print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
@@ -114,12 +121,14 @@ class Trainer:
             log_memory(f"after epoch {epoch}", self.model, self.optimizer, self.device, self.verbose)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self._save_snapshot(epoch)  # sharded: every rank writes its part
-                dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
+                # No rank runs ahead of a snapshot not on disk yet.
+                dist.barrier()
         log_memory("end", self.model, self.optimizer, self.device, self.verbose)
 
 
 def load_train_objs(args):
-    return make_workload(args.workload)  # data, model, optimizer and loss, as in every step
+    # Data, model, optimizer and loss, as in every step.
+    return make_workload(args.workload)
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
@@ -132,15 +141,19 @@ def main(args):
     with said_once_per_node(args.timeout):
         if (args.bf16 or args.cpu_offload) and args.strategy != "fsdp":
             raise SystemExit("error: --bf16 and --cpu_offload are options of --strategy fsdp")
-        require_torch_for_fsdp(args.strategy == "fsdp")  # FSDP on CPU processes needs torch 2.9: else one line
-        workload = load_train_objs(args)  # its data read: missing data stops it here, too
+        # FSDP on CPU processes needs torch 2.9: else one line.
+        require_torch_for_fsdp(args.strategy == "fsdp")
+        # Its data read: missing data stops it here, too.
+        workload = load_train_objs(args)
     # From here on this worker stops with one line, never a hang or a traceback: the group must form within --timeout,
     # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
     watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
-    require_same_arguments(args)  # every node started with the same command?
+    # Every node started with the same command?
+    require_same_arguments(args)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
+    # Only this node's processes share its cores.
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
     # bf16 compute; the gradients reduce-scattered in fp32 (a bf16 sum of many ranks' gradients loses their low bits);
     # fp32 outputs for the loss; offloaded shards in CPU memory (pinned for GPUs).
     bf16 = torch.bfloat16 if args.bf16 else None
@@ -158,10 +171,12 @@ def main(args):
     if trainer.global_rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
         full_path = os.path.join(os.path.dirname(args.snapshot_path), "model_full.pt")  # beside the snapshot
-        torch.save(full_model, full_path)  # one plain state_dict: it loads without torch.distributed
+        # One plain state_dict: it loads without torch.distributed.
+        torch.save(full_model, full_path)
         print(f"{trainer.tag} full model saved to {full_path}")
     dist.destroy_process_group()
-    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
+    # Python's teardown can abort under gloo: see utils.
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
@@ -176,7 +191,8 @@ if __name__ == "__main__":
     parser.add_argument("--bf16", action="store_true", help="FSDP: compute in bfloat16")
     parser.add_argument("--cpu_offload", action="store_true", help="FSDP: keep the shards in CPU memory")
     parser.add_argument("--verbose", action="store_true", help="Print every rank's memory at each epoch")
-    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
+    # Torchrun gives every rank the same arguments: a mistake in them is said once.
+    errors_said_once(parser)
     args = parser.parse_args()
 
     require_torchrun()

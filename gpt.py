@@ -50,11 +50,13 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule)
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 underflows otherwise
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)  # None: fp32
-        torch.manual_seed(1 + self.global_rank)  # the weights are built: each rank its own dropout masks
+        # The weights are built: each rank its own dropout masks.
+        torch.manual_seed(1 + self.global_rank)
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path = snapshot_path
         self.epochs_run = self._load_snapshot() if os.path.exists(snapshot_path) else 0  # epochs already done
-        require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
+        # Each node read the snapshot from its own disk.
+        require_same_start(self.epochs_run, device)
         # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward().
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
         # Compile DDP(model), not DDP(compiled): dynamo cuts the graph at DDP's buckets, so all-reduces overlap.
@@ -67,7 +69,8 @@ class Trainer:
             self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
             self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])
             self.scaler.load_state_dict(snapshot["SCALER_STATE"])
-            set_rng_state(snapshot["RNG_STATES"], self.global_rank)  # this rank's dropout, where it left off
+            # This rank's dropout, where it left off.
+            set_rng_state(snapshot["RNG_STATES"], self.global_rank)
             require_written_by("gpt.py", self.snapshot_path, snapshot)
             epochs_run = snapshot["EPOCHS_RUN"]
         self.schedule.resume(self.scheduler.last_epoch, (self.args.total_epochs - epochs_run) * self.steps_per_epoch)
@@ -82,29 +85,37 @@ class Trainer:
                 loss = self.loss_fn(self.model(source), targets)
             self.scaler.scale(loss / micro_batches).backward()  # adds up to their mean, not K times it
         if last:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16's scaled-up ones
+            # Clip the true gradients, not fp16's scaled-up ones.
+            self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
             scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # skipped when fp16 overflowed: the scale then goes down
+            # Skipped when fp16 overflowed: the scale then goes down.
+            self.scaler.step(self.optimizer)
             self.scaler.update()
-            if self.scaler.get_scale() >= scale:  # the schedule counts the steps really taken
+            # The schedule counts the steps really taken.
+            if self.scaler.get_scale() >= scale:
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
+        # A new shuffle each epoch, the same on every rank.
+        self.train_data.sampler.set_epoch(epoch)
+        # [summed loss, samples], kept on the device.
+        totals = torch.zeros(2, device=self.device)
         batches, K = len(self.train_data), self.args.grad_accum
         for i, (source, targets) in enumerate(self.train_data):
             source, targets = source.to(self.device), targets.to(self.device)
-            micro_batches = min(K, batches - i // K * K)  # K, or what is left for the epoch's last step
+            # K, or what is left for the epoch's last step.
+            micro_batches = min(K, batches - i // K * K)
             totals[0] += self._run_batch(source, targets, micro_batches, i % K + 1 == micro_batches) * len(source)
             totals[1] += len(source)
         log_rank_metrics(epoch, self.steps_per_epoch, totals, start)
-        dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
-        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
+        # Summed over the ranks: the loss below is their mean.
+        dist.all_reduce(totals)
+        # Waits for the device: the clock below is honest.
+        mean_loss = (totals[0] / totals[1]).item()
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         tokens_per_s = samples_per_s * source.shape[1]  # the whole job's
         utilisation = mfu(self.model, tokens_per_s, self.device, self.args.peak_tflops)
@@ -126,10 +137,13 @@ class Trainer:
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                rng_states = every_rank_rng_state()  # every rank's dropout generators, as bytes: no pickle
-                if self.global_rank == 0:  # one writer in the whole job, not one per node
+                # Every rank's dropout generators, as bytes: no pickle.
+                rng_states = every_rank_rng_state()
+                # One writer in the whole job, not one per node.
+                if self.global_rank == 0:
                     self._save_snapshot(epoch, rng_states)
-                dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
+                # No rank runs ahead of a snapshot not on disk yet.
+                dist.barrier()
 
 
 def load_train_objs(args):
@@ -144,15 +158,19 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 def main(args):
     # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
     with said_once_per_node(args.timeout):
-        check_options(args)  # an option that cannot run here: one line, before anything
-        workload = load_train_objs(args)  # its data read: missing data stops it here, too
+        # An option that cannot run here: one line, before anything.
+        check_options(args)
+        # Its data read: missing data stops it here, too.
+        workload = load_train_objs(args)
     # From here on this worker stops with one line, never a hang or a traceback: the group must form within --timeout,
     # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
     watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
-    require_same_arguments(args)  # every node started with the same command?
+    # Every node started with the same command?
+    require_same_arguments(args)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
+    # Only this node's processes share its cores.
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     # A snapshot that every rank finds unusable, or finished already: one line on each node too.
     with said_once_per_node(args.timeout):
@@ -166,7 +184,8 @@ def main(args):
         sample = generate(trainer.model, seed=0).strip("\n").splitlines()  # the same seed every run
         print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
     dist.destroy_process_group()
-    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
+    # Python's teardown can abort under gloo: see utils.
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
@@ -182,7 +201,8 @@ if __name__ == "__main__":
     parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step (inf: no clip)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (needs a C++ compiler)")
     add_gpt_arguments(parser)  # --text, --dropout, --peak_tflops
-    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
+    # Torchrun gives every rank the same arguments: a mistake in them is said once.
+    errors_said_once(parser)
     args = parser.parse_args()
 
     require_torchrun()

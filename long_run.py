@@ -88,7 +88,8 @@ class Trainer:
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)  # None: fp32
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path = snapshot_path
-        self.saving = None  # the snapshot being written, if an asynchronous save is under way
+        # The snapshot being written, if an asynchronous save is under way.
+        self.saving = None
         # An asynchronous save writes in a thread, over a process group of its own: its collectives never meet the
         # training's in one queue. They too give up after --timeout.
         saver_timeout = timedelta(seconds=args.timeout)
@@ -99,7 +100,8 @@ class Trainer:
         # DCP's load is a collective: if any rank finds the snapshot to go on from, all of them load it.
         if exists_on_any_rank(resume, device):
             self._load_snapshot(resume)
-        require_same_start(self.steps_run, device, unit="steps")  # each node read the snapshot from its own disk
+        # Each node read the snapshot from its own disk.
+        require_same_start(self.steps_run, device, unit="steps")
         # Two stages on each rank, rank r holding stages r and r + pp: each micro-batch passes every rank twice, so the
         # pipeline fills in half the time (the bubble halves) for twice the sends.
         M, pp = args.microbatches, mesh["pp"]
@@ -109,14 +111,16 @@ class Trainer:
         # Each micro-batch's loss summed over its tokens, times dp over the tokens that count in the whole global batch:
         # FSDP averages the gradients over dp, so the step's is that of the mean over every token the batch counts.
         self.pipeline = ScheduleInterleaved1F1B(self.stages, M, loss_fn=lambda out, y: token_loss(out, y) * self.scale)
-        self.pipeline.scale_grads = False  # the losses are scaled above, on every torch version
+        # The losses are scaled above, on every torch version.
+        self.pipeline.scale_grads = False
         # TensorBoard's scalars, written by rank 0 (`tensorboard --logdir runs`); a resume writes over what a killed
         # attempt wrote after its snapshot's step (what it wrote up to that step was on disk before the snapshot).
         self.board = SummaryWriter(args.logdir, purge_step=self.steps_run + 1) if self.global_rank == 0 else None
 
     def _load_snapshot(self, path):
         with stop_if_unloadable(path):
-            reader = SnapshotReader(path)  # read once, as data only: a planted folder runs no code
+            # Read once, as data only: a planted folder runs no code.
+            reader = SnapshotReader(path)
             require_written_by("long_run.py", path, reader)
             # Each rank reads its own shards of its own layers, by their names: from a snapshot of any mesh.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=BY_NAME)
@@ -151,7 +155,8 @@ class Trainer:
         dist.all_reduce(squares, group=self.mesh["pp"].get_group())
         torch.nn.utils.clip_grads_with_norm_(parameters, self.args.grad_clip, squares.sqrt())
         self.optimizer.step()
-        self.held = state_bytes(self.model, self.optimizer)  # the weights, gradients and Adam's state this rank holds
+        # The weights, gradients and Adam's state this rank holds.
+        self.held = state_bytes(self.model, self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # This dp rank's share of the batch's loss, summed over its tokens; None on the stages without the losses.
@@ -160,8 +165,10 @@ class Trainer:
     def _run_steps(self, steps, batches, total_steps):
         # A window of --log_every steps, as step 11's epoch: a line with its mean loss over every token it counted.
         start = time.perf_counter()
-        totals = torch.zeros(2, device=self.device)  # [summed loss, tokens that count], kept on the device
-        saved = saved_for_backward()  # the activations of the window's first step, measured
+        # [summed loss, tokens that count], kept on the device.
+        totals = torch.zeros(2, device=self.device)
+        # The activations of the window's first step, measured.
+        saved = saved_for_backward()
         for step, (batch, (source, targets)) in enumerate(itertools.islice(batches, steps)):
             # Dropout seeded anew each step by the step and the rank: every rank drops in its own positions or heads.
             torch.manual_seed(hash((SEED, self.steps_run, self.global_rank)))
@@ -176,15 +183,19 @@ class Trainer:
                 totals[0] += loss
                 totals[1] += (targets != IGNORE).sum()
             if self.steps_run % self.args.eval_every == 0 or self.steps_run == total_steps:
-                self._evaluate()  # before the snapshot of these weights, which a resume goes on from
+                # Before the snapshot of these weights, which a resume goes on from.
+                self._evaluate()
             if self.steps_run % self.save_every == 0 or self.steps_run == total_steps:
                 self._save_snapshot()  # sharded: every rank writes its part
             if self.saving and self.saving[1].done():
-                self._finish_save()  # the snapshot written in the background is whole: it becomes the last one
+                # The snapshot written in the background is whole: it becomes the last one.
+                self._finish_save()
         log_rank_metrics(None, steps, totals, start, step=self.steps_run, unit="tokens", activation_bytes=saved.bytes,
                          **self.held)
-        dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
-        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
+        # Summed over the ranks: the loss below is their mean.
+        dist.all_reduce(totals)
+        # Waits for the device: the clock below is honest.
+        mean_loss = (totals[0] / totals[1]).item()
         # Held-out losses and snapshots included: the run's pace, which the time left is computed from.
         seconds = time.perf_counter() - start
         tokens_per_s = totals[1].item() / seconds  # the whole job's
@@ -208,12 +219,14 @@ class Trainer:
             print(f"{self.tag} step {self.steps_run} | held-out loss {loss:.4f}")
             if on_board:
                 self.board.add_scalar("loss/held_out", loss, self.steps_run)
-                self.board.flush()  # on disk before the snapshot of these weights
+                # On disk before the snapshot of these weights.
+                self.board.flush()
 
     def _save_snapshot(self):
         # All it takes to go on exactly: where the run is in the data (the next global batch), not a rank's place in
         # a sampler. Each rank saves its stages' part under the whole model's names: a snapshot of the model.
-        self._finish_save()  # the save before this one: on disk first
+        # The save before this one: on disk first.
+        self._finish_save()
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=BY_NAME)
         snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state,
                         SCHEDULER_STATE=self.scheduler.state_dict(), STEPS_RUN=self.steps_run,
@@ -223,9 +236,11 @@ class Trainer:
         # Until then a Ctrl-C removes it, also while a thread writes it in the background.
         path = step_snapshot(self.snapshot_path, self.steps_run)
         tmp = being_written(f"{path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp")
-        if self.saver:  # copies the state to memory, then writes it in a thread while the training goes on
+        # Copies the state to memory, then writes it in a thread while the training goes on.
+        if self.saver:
             self.saving = tmp, dcp.async_save(snapshot, checkpoint_id=tmp, process_group=self.saver), self.steps_run
-        else:  # written at once, inside replacing(): a save cut short (a full disk) is removed, and said in one line
+        # Written at once, inside replacing(): a save cut short (a full disk) is removed, and said in one line.
+        else:
             self.saving = tmp, None, self.steps_run
             self._finish_save(snapshot)
 
@@ -235,9 +250,11 @@ class Trainer:
             # A kill before this line leaves the last snapshot as it was, never one cut short; the new one, whole.
             with replacing(step_snapshot(self.snapshot_path, steps), tmp, rename=self.global_rank == 0):
                 if written is None:
-                    dcp.save(snapshot, checkpoint_id=tmp)  # a synchronous save: every rank writes its shards now
+                    # A synchronous save: every rank writes its shards now.
+                    dcp.save(snapshot, checkpoint_id=tmp)
                 else:
-                    written.result()  # an asynchronous save: wait until every rank wrote
+                    # An asynchronous save: wait until every rank wrote.
+                    written.result()
             self.saving = None
             if self.global_rank == 0:
                 for old in whole_snapshots(self.snapshot_path)[:-self.args.keep]:
@@ -256,7 +273,8 @@ class Trainer:
             self._run_steps(min(self.args.log_every - self.steps_run % self.args.log_every,
                                 total_steps - self.steps_run), batches, total_steps)
         self._finish_save()
-        dist.barrier()  # no rank goes on before the last snapshot is on disk
+        # No rank goes on before the last snapshot is on disk.
+        dist.barrier()
 
 
 def load_train_objs(args):
@@ -301,8 +319,10 @@ def prepare_dataloader(dataset: Dataset, batches, args):
 def main(args):
     # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
     with said_once_per_node(args.timeout):
-        check_options(args)  # an option that cannot run here: one line, before anything
-        require_mesh_fits(args, int(os.environ["WORLD_SIZE"]))  # whole grids, whole heads, stages, shares
+        # An option that cannot run here: one line, before anything.
+        check_options(args)
+        # Whole grids, whole heads, stages, shares.
+        require_mesh_fits(args, int(os.environ["WORLD_SIZE"]))
         # The snapshot to go on from: the last one in the folder, or --resume_from's (kept, and no later ones left).
         resume = snapshot_to_resume(args.snapshot_path, args.resume_from)
         train_tokens, held_out_tokens, model, make_optimizer = load_train_objs(args)  # files with sequences in them
@@ -310,22 +330,26 @@ def main(args):
     # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
     watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
-    require_same_arguments(args)  # every node started with the same command?
+    # Every node started with the same command?
+    require_same_arguments(args)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
+    # Only this node's processes share its cores.
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
     # pp outermost, tp innermost, as torchtitan orders them: tp's all-gathers in every block need the fastest links
     # (a node's), a pipeline sends one activation per micro-batch between stages (across nodes), and dp's reduce-
     # scatter once a step goes in between.
     shape = (args.pp, dist.get_world_size() // (args.pp * args.tp), args.tp)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
-    mesh_with_timeout(mesh, args.timeout)  # the groups it made give up after --timeout too
+    # The groups it made give up after --timeout too.
+    mesh_with_timeout(mesh, args.timeout)
     model, stages = parallelize(model, mesh, args)
     # Memory for this rank's shards alone, then its part of one process's initial weights, drawn again whole on every
     # rank: the same model on any mesh. Or those weights read from a DCP folder of them, each rank its shards.
     model.to_empty(device=device)
     model.init_weights(seed=SEED)
     if args.seed_checkpoint:
-        with said_once_per_node(args.timeout):  # a folder that every rank finds unusable: one line on each node
+        # A folder that every rank finds unusable: one line on each node.
+        with said_once_per_node(args.timeout):
             load_seed_checkpoint(model, args.seed_checkpoint)
     # Each dp rank reads its share of every global batch; the pipeline's stages and tp ranks, the same share.
     dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -347,7 +371,8 @@ def main(args):
         print(f"{trainer.tag} full model saved to {full_path}")
         sample = generate(model, seed=0).strip("\n").splitlines()  # the same seed every run
         print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
-    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
+    # Python's teardown can abort under gloo: see utils.
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
@@ -375,7 +400,8 @@ if __name__ == "__main__":
     parser.add_argument("--async_save", action="store_true", help="Write snapshots while the training goes on")
     parser.add_argument("--seed_checkpoint", type=dcp_folder, help="Initial weights (tools/seed_checkpoint.py)")
     add_gpt_arguments(parser, text=False)  # --dropout, --peak_tflops
-    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
+    # Torchrun gives every rank the same arguments: a mistake in them is said once.
+    errors_said_once(parser)
     args = parser.parse_args()
 
     require_torchrun()

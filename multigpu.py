@@ -48,15 +48,19 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
+        # A new shuffle each epoch, the same on every rank.
+        self.train_data.sampler.set_epoch(epoch)
+        # [summed loss, samples], kept on the device.
+        totals = torch.zeros(2, device=self.device)
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
         log_rank_metrics(epoch, len(self.train_data), totals, start)
-        dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
-        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
+        # Summed over the ranks: the loss below is their mean.
+        dist.all_reduce(totals)
+        # Waits for the device: the clock below is honest.
+        mean_loss = (totals[0] / totals[1]).item()
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         if self.rank == 0:
             print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
@@ -72,12 +76,14 @@ class Trainer:
         for epoch in range(max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                if self.rank == 0:  # the replicas are identical: one writer
+                # The replicas are identical: one writer.
+                if self.rank == 0:
                     self._save_checkpoint(epoch)
 
 
 def load_train_objs(args):
-    return make_workload(args.workload)  # data, model, optimizer and loss, as in every step
+    # Data, model, optimizer and loss, as in every step.
+    return make_workload(args.workload)
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
@@ -88,7 +94,8 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 def main(rank, world_size, args):
     ddp_setup(rank, world_size, args.timeout)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(dist.get_world_size())  # the job's processes share this machine's cores
+    # The job's processes share this machine's cores.
+    configure_cpu_threads(dist.get_world_size())
     workload = load_train_objs(args)
     train_data = prepare_dataloader(workload.train_set, args.batch_size)
     trainer = Trainer(workload.model, train_data, workload.optimizer, workload.loss_fn, device,
@@ -98,7 +105,8 @@ def main(rank, world_size, args):
     if trainer.rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
     dist.destroy_process_group()
-    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
+    # Python's teardown can abort under gloo: see utils.
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
@@ -114,5 +122,6 @@ if __name__ == "__main__":
     world_size = require_a_gpu_each(args.world_size or torch.cuda.device_count() or 2, "--world_size")
     print(f"{world_size} processes " + ("on NCCL, one per GPU" if torch.cuda.is_available() else "on gloo (no CUDA)"))
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=rendezvous_port())  # rank 0 listens there
-    stop_on_signals()  # Ctrl-C: one line, and the last checkpoint whole
+    # Ctrl-C: one line, and the last checkpoint whole.
+    stop_on_signals()
     mp.spawn(main, args=(world_size, args), nprocs=world_size)

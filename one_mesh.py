@@ -84,14 +84,16 @@ class Trainer:
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)  # None: fp32
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path = snapshot_path
-        self.saving = None  # the snapshot being written, if an asynchronous save is under way
+        # The snapshot being written, if an asynchronous save is under way.
+        self.saving = None
         # An asynchronous save writes in a thread, over a process group of its own: its collectives never meet the
         # training's in one queue. They too give up after --timeout.
         saver_timeout = timedelta(seconds=args.timeout)
         self.saver = dist.new_group(backend="gloo", timeout=saver_timeout) if args.async_save else None
         # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
         self.epochs_run = self._load_snapshot() if exists_on_any_rank(snapshot_path, device) else 0
-        require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
+        # Each node read the snapshot from its own disk.
+        require_same_start(self.epochs_run, device)
         # Two stages on each rank, rank r holding stages r and r + pp: each micro-batch passes every rank twice, so the
         # pipeline fills in half the time (the bubble halves) for twice the sends.
         M, pp = args.microbatches, mesh["pp"]
@@ -99,11 +101,13 @@ class Trainer:
             model, args.batch_size // M, index, 2 * pp.size(), self.dtype, mesh["tp"].size()), group=pp.get_group())
             for index, part in stages]
         self.pipeline = ScheduleInterleaved1F1B(self.stages, M, loss_fn=lambda out, y: loss_fn(out, y) / M)
-        self.pipeline.scale_grads = False  # each micro-batch's loss is divided by M already, on every torch version
+        # Each micro-batch's loss is divided by M already, on every torch version.
+        self.pipeline.scale_grads = False
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
-            reader = SnapshotReader(self.snapshot_path)  # read once, as data only: a planted folder runs no code
+            # Read once, as data only: a planted folder runs no code.
+            reader = SnapshotReader(self.snapshot_path)
             require_written_by("one_mesh.py", self.snapshot_path, reader)
             # Each rank reads its own shards of its own layers, by their names: from a snapshot of any mesh.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=BY_NAME)
@@ -132,7 +136,8 @@ class Trainer:
         dist.all_reduce(squares, group=self.mesh["pp"].get_group())
         torch.nn.utils.clip_grads_with_norm_(parameters, self.args.grad_clip, squares.sqrt())
         self.optimizer.step()
-        self.held = state_bytes(self.model, self.optimizer)  # the weights, gradients and Adam's state this rank holds
+        # The weights, gradients and Adam's state this rank holds.
+        self.held = state_bytes(self.model, self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # The batch's mean loss, each micro-batch's having been divided by M; None on the stages without the losses.
@@ -140,11 +145,14 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        # A new shuffle each epoch, the same on every rank.
+        self.train_data.sampler.set_epoch(epoch)
         # Dropout seeded anew each epoch by the epoch and the rank: every rank drops in its own positions or heads.
         torch.manual_seed(hash((SEED, epoch, self.global_rank)))
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
-        saved = saved_for_backward()  # the activations of the epoch's first step, measured
+        # [summed loss, samples], kept on the device.
+        totals = torch.zeros(2, device=self.device)
+        # The activations of the epoch's first step, measured.
+        saved = saved_for_backward()
         for step, (source, targets) in enumerate(self.train_data):
             source, targets = source.to(self.device), targets.to(self.device)
             loss = self._run_batch(source, targets, saved if step == 0 else contextlib.nullcontext())
@@ -153,10 +161,13 @@ class Trainer:
                 totals[0] += loss * len(source)
                 totals[1] += len(source)
             if self.saving and self.saving[1].done():
-                self._finish_save()  # the snapshot written in the background is whole: it becomes the last one
+                # The snapshot written in the background is whole: it becomes the last one.
+                self._finish_save()
         log_rank_metrics(epoch, self.steps_per_epoch, totals, start, activation_bytes=saved.bytes, **self.held)
-        dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
-        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
+        # Summed over the ranks: the loss below is their mean.
+        dist.all_reduce(totals)
+        # Waits for the device: the clock below is honest.
+        mean_loss = (totals[0] / totals[1]).item()
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         tokens_per_s = samples_per_s * source.shape[1]  # the whole job's
         utilisation = mfu(self.model, tokens_per_s, self.device, self.args.peak_tflops)
@@ -167,14 +178,16 @@ class Trainer:
     def _save_snapshot(self, epoch):
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
         # Each rank saves its stages' part under the whole model's names: a snapshot of the model, not of the mesh.
-        self._finish_save()  # the save before this one: on disk first
+        # The save before this one: on disk first.
+        self._finish_save()
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=BY_NAME)
         snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state,
                         SCHEDULER_STATE=self.scheduler.state_dict(), EPOCHS_RUN=epoch + 1, STEP="one_mesh.py")
         # Every rank writes its shards into one folder of this save's; rank 0 makes it the last snapshot once whole.
         # Until then a Ctrl-C removes it, also while a thread writes it in the background.
         tmp = being_written(f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.{epoch}.tmp")
-        if self.saver:  # copies the state to memory, then writes it in a thread while the training goes on
+        # Copies the state to memory, then writes it in a thread while the training goes on.
+        if self.saver:
             self.saving = tmp, dcp.async_save(snapshot, checkpoint_id=tmp, process_group=self.saver), epoch
         else:
             self.saving = tmp, dcp.save(snapshot, checkpoint_id=tmp), epoch
@@ -185,7 +198,8 @@ class Trainer:
             tmp, written, epoch = self.saving
             # A kill before this line leaves the last snapshot as it was, never one cut short; the new one, whole.
             with replacing(self.snapshot_path, tmp, rename=self.global_rank == 0):
-                getattr(written, "result", lambda: None)()  # an asynchronous save: wait until every rank wrote
+                # An asynchronous save: wait until every rank wrote.
+                getattr(written, "result", lambda: None)()
             self.saving = None
             if self.global_rank == 0:
                 print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
@@ -196,7 +210,8 @@ class Trainer:
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self._save_snapshot(epoch)  # sharded: every rank writes its part
         self._finish_save()
-        dist.barrier()  # no rank goes on before the last snapshot is on disk
+        # No rank goes on before the last snapshot is on disk.
+        dist.barrier()
 
 
 def load_train_objs(args):
@@ -238,29 +253,36 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, dp):
 def main(args):
     # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
     with said_once_per_node(args.timeout):
-        check_options(args)  # an option that cannot run here: one line, before anything
-        require_mesh_fits(args, int(os.environ["WORLD_SIZE"]))  # whole grids, whole heads, stages: else one line
-        workload = load_train_objs(args)  # its data read: missing data stops it here, too
+        # An option that cannot run here: one line, before anything.
+        check_options(args)
+        # Whole grids, whole heads, stages: else one line.
+        require_mesh_fits(args, int(os.environ["WORLD_SIZE"]))
+        # Its data read: missing data stops it here, too.
+        workload = load_train_objs(args)
     # From here on this worker stops with one line, never a hang or a traceback: the group must form within --timeout,
     # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
     watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
-    require_same_arguments(args)  # every node started with the same command?
+    # Every node started with the same command?
+    require_same_arguments(args)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
+    # Only this node's processes share its cores.
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
     # pp outermost, tp innermost, as torchtitan orders them: tp's all-gathers in every block need the fastest links
     # (a node's), a pipeline sends one activation per micro-batch between stages (across nodes), and dp's reduce-
     # scatter once a step goes in between.
     shape = (args.pp, dist.get_world_size() // (args.pp * args.tp), args.tp)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
-    mesh_with_timeout(mesh, args.timeout)  # the groups it made give up after --timeout too
+    # The groups it made give up after --timeout too.
+    mesh_with_timeout(mesh, args.timeout)
     model, stages = parallelize(workload.model, mesh, args)
     # Memory for this rank's shards alone, then its part of one process's initial weights, drawn again whole on every
     # rank: the same model on any mesh. Or those weights read from a DCP folder of them, each rank its shards.
     model.to_empty(device=device)
     model.init_weights(seed=SEED)
     if args.seed_checkpoint:
-        with said_once_per_node(args.timeout):  # a folder that every rank finds unusable: one line on each node
+        # A folder that every rank finds unusable: one line on each node.
+        with said_once_per_node(args.timeout):
             load_seed_checkpoint(model, args.seed_checkpoint)
     train_data = prepare_dataloader(workload.train_set, args.batch_size, mesh["dp"])
     # A --batch_size larger than a pipeline's share of the data, which would leave it nothing to train on, and a
@@ -282,7 +304,8 @@ def main(args):
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
         sample = generate(model, seed=0).strip("\n").splitlines()  # the same seed every run
         print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
-    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
+    # Python's teardown can abort under gloo: see utils.
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
@@ -302,7 +325,8 @@ if __name__ == "__main__":
     parser.add_argument("--async_save", action="store_true", help="Write snapshots while the training goes on")
     parser.add_argument("--seed_checkpoint", type=dcp_folder, help="Initial weights (tools/seed_checkpoint.py)")
     add_gpt_arguments(parser)  # --text, --dropout, --peak_tflops
-    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
+    # Torchrun gives every rank the same arguments: a mistake in them is said once.
+    errors_said_once(parser)
     args = parser.parse_args()
 
     require_torchrun()

@@ -58,12 +58,14 @@ class Trainer:
         self.schedule = WarmupCosine(args.total_epochs * self.steps_per_epoch)  # warm-up, then a cosine
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule)
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)  # None: fp32
-        torch.manual_seed(1 + self.global_rank)  # the weights are built: each rank its own dropout masks
+        # The weights are built: each rank its own dropout masks.
+        torch.manual_seed(1 + self.global_rank)
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path = snapshot_path
         # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
         self.epochs_run = self._load_snapshot() if exists_on_any_rank(snapshot_path, device) else 0
-        require_same_start(self.epochs_run, device)  # each node read the snapshot from its own disk
+        # Each node read the snapshot from its own disk.
+        require_same_start(self.epochs_run, device)
         # DDP averages the gradients over this stage's copies in the other pipelines (dp), in the last micro-batch.
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
                          process_group=mesh["dp"].get_group())
@@ -80,7 +82,8 @@ class Trainer:
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
-            reader = SnapshotReader(self.snapshot_path)  # read once, as data only: a planted folder runs no code
+            # Read once, as data only: a planted folder runs no code.
+            reader = SnapshotReader(self.snapshot_path)
             require_written_by("pipeline_parallel.py", self.snapshot_path, reader)
             # Each rank reads its own stage's weights and optimizer state, by their names: from a snapshot of any cut.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=BY_NAME)
@@ -90,7 +93,8 @@ class Trainer:
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                            options=BY_NAME)
             self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])
-            set_rng_state(snapshot["RNG_STATES"], self.global_rank)  # this rank's dropout, where it left off
+            # This rank's dropout, where it left off.
+            set_rng_state(snapshot["RNG_STATES"], self.global_rank)
             epochs_run = snapshot["EPOCHS_RUN"]
         self.schedule.resume(self.scheduler.last_epoch, (self.args.total_epochs - epochs_run) * self.steps_per_epoch)
         print(f"{self.tag} resuming from epoch {epochs_run}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}")
@@ -116,8 +120,10 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
+        # A new shuffle each epoch, the same on every rank.
+        self.train_data.sampler.set_epoch(epoch)
+        # [summed loss, samples], kept on the device.
+        totals = torch.zeros(2, device=self.device)
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             loss = self._run_batch(source, targets)
@@ -126,8 +132,10 @@ class Trainer:
                 totals[0] += loss * len(source)
                 totals[1] += len(source)
         log_rank_metrics(epoch, self.steps_per_epoch, totals, start)
-        dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
-        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
+        # Summed over the ranks: the loss below is their mean.
+        dist.all_reduce(totals)
+        # Waits for the device: the clock below is honest.
+        mean_loss = (totals[0] / totals[1]).item()
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         tokens_per_s = samples_per_s * source.shape[1]  # the whole job's
         utilisation = mfu(self.model, tokens_per_s, self.device, self.args.peak_tflops)
@@ -153,9 +161,11 @@ class Trainer:
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
-                rng_states = every_rank_rng_state()  # every rank's dropout generators, as bytes: no pickle
+                # Every rank's dropout generators, as bytes: no pickle.
+                rng_states = every_rank_rng_state()
                 self._save_snapshot(epoch, rng_states)  # sharded: every rank writes its part
-                dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
+                # No rank runs ahead of a snapshot not on disk yet.
+                dist.barrier()
 
 
 def load_train_objs(args):
@@ -183,21 +193,26 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, dp):
 def main(args):
     # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
     with said_once_per_node(args.timeout):
-        check_options(args)  # an option that cannot run here: one line, before anything
+        # An option that cannot run here: one line, before anything.
+        check_options(args)
         # Pipelines of --pp stages, if the GPT's blocks and the batch allow them: else one line, before anything starts.
         require_pipeline_fits(args, int(os.environ["WORLD_SIZE"]))
-        workload = load_train_objs(args)  # its data read: missing data stops it here, too
+        # Its data read: missing data stops it here, too.
+        workload = load_train_objs(args)
     # From here on this worker stops with one line, never a hang or a traceback: the group must form within --timeout,
     # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
     watch_this_worker(args.timeout)
     ddp_setup(args.timeout)
-    require_same_arguments(args)  # every node started with the same command?
+    # Every node started with the same command?
+    require_same_arguments(args)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # only this node's processes share its cores
+    # Only this node's processes share its cores.
+    configure_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
     # The ranks as a grid of pp x dp, rank = stage * dp + d: the copies of a stage are consecutive ranks, on one node,
     # and a pipeline crosses the nodes, where only one activation per micro-batch travels between neighbours.
     mesh = init_device_mesh(device.type, (args.pp, dist.get_world_size() // args.pp), mesh_dim_names=("pp", "dp"))
-    mesh_with_timeout(mesh, args.timeout)  # the groups it made give up after --timeout too
+    # The groups it made give up after --timeout too.
+    mesh_with_timeout(mesh, args.timeout)
     stage = cut(workload.model, mesh["pp"].get_local_rank(), args.pp)
     train_data = prepare_dataloader(workload.train_set, args.batch_size, mesh["dp"])
     # A --batch_size larger than a pipeline's share of the data, which would leave it nothing to train on, and a
@@ -216,7 +231,8 @@ def main(args):
         sample = generate(trainer.model, seed=0).strip("\n").splitlines()  # the same seed every run
         print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
     dist.destroy_process_group()
-    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
+    # Python's teardown can abort under gloo: see utils.
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
@@ -233,7 +249,8 @@ if __name__ == "__main__":
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast")
     parser.add_argument("--grad_clip", default=1.0, type=float, help="Largest gradient norm of a step (inf: no clip)")
     add_gpt_arguments(parser)  # --text, --dropout, --peak_tflops
-    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
+    # Torchrun gives every rank the same arguments: a mistake in them is said once.
+    errors_said_once(parser)
     args = parser.parse_args()
 
     require_torchrun()

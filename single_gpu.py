@@ -30,13 +30,15 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
+        # [summed loss, samples], kept on the device.
+        totals = torch.zeros(2, device=self.device)
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
         log_rank_metrics(epoch, len(self.train_data), totals, start)
-        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
+        # Waits for the device: the clock below is honest.
+        mean_loss = (totals[0] / totals[1]).item()
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
               f"{samples_per_s:,.0f} samples/s")
@@ -55,7 +57,8 @@ class Trainer:
 
 
 def load_train_objs(args):
-    return make_workload(args.workload)  # data, model, optimizer and loss, as in every step
+    # Data, model, optimizer and loss, as in every step.
+    return make_workload(args.workload)
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
@@ -83,5 +86,6 @@ if __name__ == "__main__":
     parser.add_argument("--workload", default="synthetic", choices=WORKLOADS, help="What to train")
     args = parser.parse_args()
 
-    stop_on_signals()  # Ctrl-C: one line, and the last checkpoint whole
+    # Ctrl-C: one line, and the last checkpoint whole.
+    stop_on_signals()
     main(args)

@@ -109,7 +109,8 @@ MISTAKES = {
         r"steps, so call scheduler\.step\(\) once per optimizer step \(after the last micro-batch\), not once per "
         r"micro-batch$"]),
     "LOCAL_RANK 0 as the writer": (3, [
-        (r"if self\.global_rank == 0:  # one writer", "if self.local_rank == 0:  # one writer")], [
+        (r"(# One writer in the whole job, not one per node\.\n *)if self\.global_rank == 0:",
+         r"\1if self.local_rank == 0:")], [
         r"^ranks 0 and 1 all wrote snapshot\.pt: only global rank 0 writes .*LOCAL_RANK is 0 on every node, .* "
         r"called from line \d+ \(in train: `self\._save_snapshot\(epoch\)`\)$"]),
 }

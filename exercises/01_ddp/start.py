@@ -45,14 +45,16 @@ class Trainer:
     def _run_epoch(self, epoch):
         start = time.perf_counter()
         # TODO 4: a new shuffle every epoch, the same on every rank
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
+        # [summed loss, samples], kept on the device.
+        totals = torch.zeros(2, device=self.device)
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
         log_rank_metrics(epoch, len(self.train_data), totals, start)
         # TODO 5: sum the totals over the ranks, so that the loss below is every rank's mean
-        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
+        # Waits for the device: the clock below is honest.
+        mean_loss = (totals[0] / totals[1]).item()
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "  # TODO 5: rank 0
               f"{samples_per_s:,.0f} samples/s")
@@ -71,7 +73,8 @@ class Trainer:
 
 
 def load_train_objs(args):
-    return make_workload(args.workload)  # data, model, optimizer and loss, as in every step
+    # Data, model, optimizer and loss, as in every step.
+    return make_workload(args.workload)
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
@@ -103,5 +106,6 @@ if __name__ == "__main__":
     args = parser.parse_args()
 
     # TODO 9: world_size processes (one GPU each), MASTER_ADDR and a free MASTER_PORT, then mp.spawn(main, ...)
-    stop_on_signals()  # Ctrl-C: one line, and the last checkpoint whole
+    # Ctrl-C: one line, and the last checkpoint whole.
+    stop_on_signals()
     main(args)  # TODO 9: mp.spawn instead

@@ -70,15 +70,19 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         start = time.perf_counter()
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        totals = torch.zeros(2, device=self.device)  # [summed loss, samples], kept on the device
+        # A new shuffle each epoch, the same on every rank.
+        self.train_data.sampler.set_epoch(epoch)
+        # [summed loss, samples], kept on the device.
+        totals = torch.zeros(2, device=self.device)
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             totals[0] += self._run_batch(source, targets) * len(source)
             totals[1] += len(source)
         log_rank_metrics(epoch, len(self.train_data), totals, start)
-        dist.all_reduce(totals)  # summed over the ranks: the loss below is their mean
-        mean_loss = (totals[0] / totals[1]).item()  # waits for the device: the clock below is honest
+        # Summed over the ranks: the loss below is their mean.
+        dist.all_reduce(totals)
+        # Waits for the device: the clock below is honest.
+        mean_loss = (totals[0] / totals[1]).item()
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         if self.rank == 0:  # TODO 1
             print(f"{self.tag} epoch {epoch} | steps {len(self.train_data)} | loss {mean_loss:.4f} | "
@@ -99,11 +103,13 @@ class Trainer:
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 if self.rank == 0:  # TODO 4: one writer in the whole job, not one per node
                     self._save_snapshot(epoch)
-                dist.barrier()  # no rank runs ahead of a snapshot not on disk yet
+                # No rank runs ahead of a snapshot not on disk yet.
+                dist.barrier()
 
 
 def load_train_objs(args):
-    return make_workload(args.workload)  # data, model, optimizer and loss, as in every step
+    # Data, model, optimizer and loss, as in every step.
+    return make_workload(args.workload)
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
@@ -114,7 +120,8 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 def main(args):
     # Before the process group forms, a mistake that every rank finds alike: one line, said once on each node.
     with said_once_per_node(args.timeout):
-        workload = load_train_objs(args)  # its data read: missing data stops it here, too
+        # Its data read: missing data stops it here, too.
+        workload = load_train_objs(args)
     # From here on this worker stops with one line, never a hang or a traceback: the group must form within --timeout,
     # torchrun must stay alive, and Ctrl-C or a collective that gave up ends it (utils/launch.py).
     watch_this_worker(args.timeout)
@@ -133,7 +140,8 @@ def main(args):
     if trainer.rank == 0:  # TODO 1
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
     dist.destroy_process_group()
-    exit_without_teardown()  # Python's teardown can abort under gloo: see utils
+    # Python's teardown can abort under gloo: see utils.
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
@@ -144,7 +152,8 @@ if __name__ == "__main__":
     parser.add_argument("--workload", default="synthetic", choices=WORKLOADS, help="What to train")
     parser.add_argument("--timeout", default=60, type=positive_int, help="Seconds before a stuck collective fails")
     parser.add_argument("--snapshot_path", default="snapshot.pt", type=writable_path, help="Where to save and resume")
-    errors_said_once(parser)  # torchrun gives every rank the same arguments: a mistake in them is said once
+    # Torchrun gives every rank the same arguments: a mistake in them is said once.
+    errors_said_once(parser)
     args = parser.parse_args()
 
     require_torchrun()
