@@ -18,6 +18,7 @@ def test_slow_save_makes_every_save_slower_without_the_recorder_on(tmp_path, mon
     monkeypatch.setenv("JOB_SLOW_SAVE", env["JOB_SLOW_SAVE"])
     monkeypatch.delenv("JOB_RECORD_DIR", raising=False)
     monkeypatch.setattr(torch, "save", torch.save)  # what the recorder replaces is put back after the test
+    monkeypatch.syspath_prepend(str(RECORDER))  # where a job's processes find it and its parts (recording/)
     runpy.run_path(str(RECORDER / "sitecustomize.py"))
     path = tmp_path / "snapshot.pt.123.tmp"
     sizes = []
