@@ -11,15 +11,16 @@ A job is one command per node ("node": one launcher, e.g. one torchrun), each st
 its whole process tree can be stopped, with its output in a log file (a file, not a pipe: nobody has to keep reading
 for the job to go on). `run()` starts a job and waits for it.
 
-The environment: the CPU (gloo) unless gpu=True, one compute thread per process, unbuffered output, and the
-repository on PYTHONPATH (a learner's script elsewhere still imports `utils`). With record=True the job's processes
-load recorder/sitecustomize.py, which records each torch.save and the samples each rank trains on, epoch by epoch,
-and each pass of a pipeline stage (job.records("pipeline.jsonl"), read by tools/pipeline_timeline.py);
-record_steps=True adds every optimizer step (its learning rate, and the gradient all-reduces DDP ran for it);
-record_collectives=True every collective a process called, when it waited for it, each backward and optimizer step
-(job.records("collectives.jsonl"): what the workshop's build-it-yourself exercises are judged by); kill_at,
-kill_at_step, skip_all_reduce and stall_init inject faults through it, slow_save makes every save slower (its
-docstring says how), and hold=True holds step 13's replica groups before they meet, until job.release().
+The environment: the CPU (gloo) unless gpu=True, one compute thread per process, unbuffered output, and the repository
+on PYTHONPATH (a learner's script elsewhere still imports `utils`). With record=True the job's processes load
+recorder/sitecustomize.py (and its parts, recorder/recording/), which records each torch.save and the samples each
+rank trains on, epoch by epoch, and each pass of a pipeline stage (job.records("pipeline.jsonl"), read by
+tools/pipeline_timeline.py); record_steps=True adds every optimizer step (its learning rate, and the gradient
+all-reduces DDP ran for it); record_collectives=True every collective a process called, when it waited for it, each
+backward and optimizer step (job.records("collectives.jsonl"): what the workshop's build-it-yourself exercises are
+judged by); kill_at, kill_at_step, skip_all_reduce and stall_init inject faults through it, slow_save makes every save
+slower (recording/saves.py says how), and hold=True holds step 13's replica groups before they meet, until
+job.release().
 
 Shared runs: run(..., shared=True) in a test session (the suite sets $JOB_SHARED_DIR for it) runs a job that several
 tests and notebooks ask for once: the first to ask runs it in a folder of the session's, the others wait for it and
@@ -405,7 +406,7 @@ class Job:
         """One dict per completed pass over a DataLoader, in the order they ended: pid, rank, restart, sampler (class
         name), epoch (its set_epoch value, or None), number (the pass's number in its process), ddp (the model was
         wrapped in DDP), mesh (the rank's coordinates in a named device mesh, e.g. {"dp": 0, "tp": 1}, or None),
-        indices (the samples, in training order), and what the recorder's docstring lists."""
+        indices (the samples, in training order), and what recorder/recording/samples.py's docstring lists."""
         return self.records("samples.jsonl")
 
     @property
@@ -417,8 +418,8 @@ class Job:
         return self.records("steps.jsonl")
 
     def records(self, name):
-        """The JSON lines of one of the recorder's files (saves.jsonl, exits.jsonl...; the recorder says what each
-        holds)."""
+        """The JSON lines of one of the recorder's files (saves.jsonl, exits.jsonl...; recorder/sitecustomize.py says
+        which of its parts writes each, and the part what it holds)."""
         return recorded(self.logs_dir, name)
 
     def writers(self):
