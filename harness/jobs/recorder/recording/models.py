@@ -1,7 +1,8 @@
 """The models and optimizers a process builds, for samples.jsonl: whether the model was wrapped in
-DistributedDataParallel (`ddp`), a forward that bypassed it (`bypass`), this rank's place in a named device mesh
-(`mesh`), and digests of the parameters and the optimizers' state (`params_before`, `optimizer_before`, `params`,
-`optimizer`), which samples.py takes as each pass begins and ends."""
+DistributedDataParallel (`ddp`); `bypass`, the first stack (as in saves.jsonl) that called the model inside it
+directly during the pass, so no gradient was averaged (None: it never happened); this rank's place in a named device
+mesh (`mesh`); and digests of the DDP-wrapped parameters and the optimizers' state (`params_before`,
+`optimizer_before`, `params`, `optimizer`), which samples.py takes as each pass begins and ends."""
 import hashlib
 import weakref
 

@@ -1,5 +1,5 @@
-"""Passes over a DataLoader. (A BatchSampler is what every DataLoader with a batch size iterates over, so patching
-its __iter__ sees every batch of every step.)
+"""Passes over a DataLoader: begins.jsonl and samples.jsonl. (A BatchSampler is what every DataLoader with a batch
+size iterates over, so patching its __iter__ sees every batch of every step.)
 
 - begins.jsonl: a JSON line as each pass begins (`what`: "pass"; pid, rank, restart, `began`, and its `epoch`), written
   before the work: a pass that a kill cuts short shows. (saves.py writes the lines of saves that begin.)
