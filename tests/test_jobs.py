@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 
 from harness.jobs import REPO, RECORDER, SHARED_VARIABLE, Job, environment, output, run, shared_file
 
@@ -17,7 +18,10 @@ def test_slow_save_makes_every_save_slower_without_the_recorder_on(tmp_path, mon
     assert str(RECORDER) in env["PYTHONPATH"].split(os.pathsep) and "JOB_RECORD_DIR" not in env
     monkeypatch.setenv("JOB_SLOW_SAVE", env["JOB_SLOW_SAVE"])
     monkeypatch.delenv("JOB_RECORD_DIR", raising=False)
-    monkeypatch.setattr(torch, "save", torch.save)  # what the recorder replaces is put back after the test
+    # What the recorder replaces is put back after the test: torch.save, and the slow writes of a DCP save, which
+    # would otherwise slow down every later test of this process that saves so.
+    monkeypatch.setattr(torch, "save", torch.save)
+    monkeypatch.setattr(FileSystemWriter, "write_data", FileSystemWriter.write_data)
     monkeypatch.syspath_prepend(str(RECORDER))  # where a job's processes find it and its parts (recording/)
     runpy.run_path(str(RECORDER / "sitecustomize.py"))
     path = tmp_path / "snapshot.pt.123.tmp"
