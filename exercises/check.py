@@ -18,8 +18,8 @@ It prints what is missing or wrong, in the exercise's terms and with the line to
 everything is right. It judges what the processes did, not how the script is written: the samples each rank trained
 on, every rank's parameters after each epoch (DDP keeps them equal), the losses each rank computed (the printed one
 is their mean), who saved which file, from which line and when, the state a restarted job resumes from (the one the
-killed job had), whether each process closed its process group. For exercises 7-12 (their checkers are in
-exercises/inside/): every collective each rank called, with its bytes, its line and when it was waited on, each
+killed job had), whether each process closed its process group. For exercises 7-12 (their checkers are check.py
+in their folders): every collective each rank called, with its bytes, its line and when it was waited on, each
 backward and optimizer step with the gradients and optimizer state it held, and what the exercise builds (FSDP's
 units held whole, a pipeline rank's passes and activations, the rows an all-to-all moved, every rank's Flight
 Recorder), against what a correct program computes. harness/jobs records all that, the same job runner the
@@ -49,8 +49,7 @@ EXERCISES = {1: "01_ddp", 2: "02_survive_a_kill", 3: "03_two_nodes", 4: "04_grad
              5: "05_tensor_parallel", 6: "06_context_parallel", 7: "07_ddp_by_hand", 8: "08_zero_by_hand",
              9: "09_fsdp_choices", 10: "10_pipeline_by_hand", 11: "11_expert_dispatch", 12: "12_hang_clinic",
              13: "13_plan_a_layout"}
-# The track inside the machinery (7-12), and planning a layout (13): each exercise's checker is a module of
-# exercises/inside/, by this name.
+# The track inside the machinery (7-12), and planning a layout (13): each exercise's checker is check.py in its folder.
 INSIDE = {7: "ddp_by_hand", 8: "zero_by_hand", 9: "fsdp_choices", 10: "pipeline_by_hand", 11: "expert_dispatch",
           12: "hang_clinic", 13: "plan_a_layout"}
 # What solves each exercise: the step scripts (1-6), then each exercise's own solution.py, which a learner compares with
@@ -697,11 +696,17 @@ def check_context(script, workdir, say):
     return problems or exit_problems(job, script)
 
 
+def exercise_checker(number):
+    """Exercise `number`'s checker: the module check.py in its folder, which has a function check(script, workdir, say).
+    (A folder whose name begins with digits is no name an import statement takes: it is imported by its dotted name.)"""
+    return importlib.import_module(f"exercises.{EXERCISES[number]}.check")
+
+
 def inside(number):
-    """Exercise `number`'s checker, from its module in exercises/inside/ (imported when it runs: each brings its own
-    reference and records)."""
+    """Exercise `number`'s checker, from check.py in its folder (imported when it runs: each brings its own reference
+    and records)."""
     def check_inside(script, workdir, say):
-        return importlib.import_module(f"exercises.inside.{INSIDE[number]}").check(script, workdir, say)
+        return exercise_checker(number).check(script, workdir, say)
     return check_inside
 
 
