@@ -11,8 +11,9 @@ records and the format of its file:
 - JOB_RECORD_STEPS=1 (with JOB_RECORD_DIR): each optimizer step and DDP's gradient all-reduces (steps.py: steps.jsonl).
 - JOB_RECORD_COLLECTIVES=1 (with JOB_RECORD_DIR): each collective's call and waits, each backward and optimizer step
   (collectives.py, collective_calls.py, collective_waits.py, collective_steps.py: collectives.jsonl).
-- JOB_RECORD_PLUGINS=`NAME,...` (with JOB_RECORD_DIR): import recorder/plugins/NAME.py too: what one exercise of
-  the workshop records beyond the above (each plugin's docstring says what).
+- JOB_RECORD_PLUGINS=`PLUGIN,...` (with JOB_RECORD_DIR): run each plugin too, a .py file by its path (an exercise's
+  recorder.py) or a module of recorder/plugins/ by name (traffic): what one job records beyond the above (each
+  plugin's docstring says what).
 - JOB_SLOW_SAVE=`SECONDS`: a slow disk (saves.py).
 - JOB_KILL_AT, JOB_KILL_AT_STEP, JOB_SKIP_ALL_REDUCE, JOB_STALL_INIT, JOB_HOLD: faults at known points (faults.py).
 
@@ -118,9 +119,19 @@ if RECORD_COLLECTIVES:
 
 if RECORD_DIR and os.environ.get("JOB_RECORD_PLUGINS"):
     import importlib
+    import importlib.util
 
-    # What one exercise of the workshop needs recorded beyond the above: modules of recorder/plugins/, named in
-    # JOB_RECORD_PLUGINS (comma-separated); each reads this module's _append, _rank and _restart.
+    from recording.notes import _PLUGIN_FILES
+
+    # What one job needs recorded beyond the above, named in JOB_RECORD_PLUGINS (comma-separated): an exercise's
+    # recorder.py by its path, or a module of recorder/plugins/ by name (traffic); each reads this module's _append,
+    # _rank and _restart.
     sys.path.insert(0, os.path.dirname(__file__))
     for _plugin in os.environ["JOB_RECORD_PLUGINS"].split(","):
-        importlib.import_module(f"plugins.{_plugin}")
+        if _plugin.endswith(".py"):
+            _PLUGIN_FILES.append(os.path.abspath(_plugin))
+            _spec = importlib.util.spec_from_file_location(os.path.basename(os.path.dirname(_PLUGIN_FILES[-1])),
+                                                           _PLUGIN_FILES[-1])
+            _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+        else:
+            importlib.import_module(f"plugins.{_plugin}")

@@ -29,8 +29,13 @@ def _restart():
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
+# The plugins' files (JOB_RECORD_PLUGINS), filled as sitecustomize.py loads them: their frames are the recorder's, not
+# the program's, wherever a plugin lives (an exercise's recorder.py is outside this folder).
+_PLUGIN_FILES = []
+
+
 def _installed():
-    return sys.base_prefix, sys.prefix, os.path.dirname(os.__file__), RECORDER
+    return sys.base_prefix, sys.prefix, os.path.dirname(os.__file__), RECORDER, *_PLUGIN_FILES
 
 
 def _stack():
