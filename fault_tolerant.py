@@ -235,9 +235,10 @@ class Trainer:
             self.share_epoch = epoch
         first = batch * self.train_data.batch_size
         indices = self.share[first:first + self.train_data.batch_size]
-        # The one batch of exactly these samples.
+        # A loader of exactly these samples, in one batch: read whole, it gives that batch.
         loader = DataLoader(self.train_data.dataset, batch_size=len(indices), sampler=indices)
-        return next(iter(loader))
+        batches = list(loader)
+        return batches[0]
 
 
 def load_train_objs(args):

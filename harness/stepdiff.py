@@ -42,7 +42,7 @@ STEPS = [
      "every dimension on one mesh: the TP plan, FSDP per stage, the meta device, checkpointing, async snapshots"),
     ("long_run.py", "one_mesh.py", 441, 277,
      "epochs become steps read from token files: a cursor, a folder of snapshots, held-out losses; the loop counts twice"),
-    ("fault_tolerant.py", "fsdp.py", 327, 278,
+    ("fault_tolerant.py", "fsdp.py", 328, 279,
      "fsdp.py as a torchft replica group: the Manager, a quorum, a loop of steps, not fsdp.py's said-once blocks"),
 ]
 # The goal for the changed lines of each part of the tutorial (steps 2-6, 7-11, 12-13): a row above it says why.
