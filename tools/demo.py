@@ -371,7 +371,33 @@ def main():
     print(same_computation(jobs))
     for steps, text in output.samples(jobs["gpt.py"].output):
         print(f"\nWhat the GPT writes after {steps} optimizer steps:\n{text}")
+    require_learning(jobs)
     return jobs, fault
+
+
+def first_and_last_loss(step, job):
+    """The training loss a step's job printed first and last, as the summary reads them; None for step 14's plan,
+    which trains nothing."""
+    if step == "plan_at_scale.py":
+        return None
+    if job.losses:  # steps 1 to 11: a mean loss an epoch
+        return job.losses[min(job.losses)], job.losses[max(job.losses)]
+    if output.group_steps(job.output):  # step 13: a line per step and group
+        facts = replica_facts(job)
+        return facts["start"]["loss"], facts["end"]["loss"]
+    # Step 12: a line per window of steps.
+    lines = output.step_lines(job.output)
+    return lines[min(lines)]["loss"], lines[max(lines)]["loss"]
+
+
+def require_learning(jobs):
+    """The demo shows every step learning: one whose last training loss is not below its first stops the demo with
+    a line naming it, instead of a summary that looks like success."""
+    for step, job in jobs.items():
+        losses = first_and_last_loss(step, job)
+        if losses is not None and not losses[1] < losses[0]:
+            sys.exit(f"demo: {step} did not learn (its loss went from {losses[0]:.4f} to {losses[1]:.4f}; its log: "
+                     f"{where(job.logs_dir)}/)")
 
 
 if __name__ == "__main__":
