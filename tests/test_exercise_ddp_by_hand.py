@@ -1,4 +1,4 @@
-"""Exercise 7, DDP by hand: each verdict of exercises/inside/ddp_by_hand.py on records made up here (a step's
+"""Exercise 7, DDP by hand: each verdict of exercises/07_ddp_by_hand/check.py on records made up here (a step's
 all-reduces, waits, backward and optimizer step, as the recorder writes them), the reference the weights are compared
 with, and (slow) the start file and seeded mistakes of the solution run for real, each reaching its own verdict."""
 import re
@@ -6,11 +6,14 @@ import re
 import pytest
 import torch
 
-from exercises.inside import ddp_by_hand
-from exercises.inside.ddp_by_hand import (bucket_sizes, communication_problems, global_batches, steps_of,
-                                          weights_problems)
+from exercises.check import exercise_checker
 from mistakes import CHECKING, exercise_problems, seeded, written
 from harness.jobs import REPO
+
+ddp_by_hand = exercise_checker(7)  # exercises/07_ddp_by_hand/check.py
+bucket_sizes, communication_problems, global_batches, steps_of, weights_problems = (
+    ddp_by_hand.bucket_sizes, ddp_by_hand.communication_problems, ddp_by_hand.global_batches, ddp_by_hand.steps_of,
+    ddp_by_hand.weights_problems)
 
 pytestmark = CHECKING  # the slow tests run checks
 

@@ -1,5 +1,5 @@
-"""Exercise 11, the experts' dispatch: each verdict of exercises/inside/expert_dispatch.py on records and rounds made up
-here (the all-to-alls as the recorder's plugin writes them, each rank's saved outputs and gradients), the whole layer
+"""Exercise 11, the experts' dispatch: each verdict of exercises/11_expert_dispatch/check.py on records and rounds
+made up here (the all-to-alls as its recorder.py writes them, each rank's saved outputs and gradients), the whole layer
 the outputs are compared with, and (slow) the start file and seeded mistakes of the solution run for real, each
 reaching its own verdict."""
 import re
@@ -9,10 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exercises.inside.expert_dispatch import (ROUND_FILE, crash_problems, exercise_rounds, input_problems,
-                                              load_rounds, traffic_problems, value_problems, whole_layer)
+from exercises.check import exercise_checker
 from mistakes import CHECKING, exercise_problems, seeded, written
 from harness.jobs import REPO
+
+checker = exercise_checker(11)  # exercises/11_expert_dispatch/check.py
+(ROUND_FILE, crash_problems, exercise_rounds, input_problems, load_rounds, traffic_problems, value_problems,
+ whole_layer) = (
+    checker.ROUND_FILE, checker.crash_problems, checker.exercise_rounds, checker.input_problems, checker.load_rounds,
+    checker.traffic_problems, checker.value_problems, checker.whole_layer)
 
 pytestmark = CHECKING  # the slow tests run checks
 

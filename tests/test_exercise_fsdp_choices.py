@@ -1,16 +1,20 @@
-"""Exercise 9, FSDP's choices: each verdict of exercises/inside/fsdp_choices.py on records made up here (the units,
-peaks and fully_shard calls the fsdp_choices recorder plugin writes), the reference the training is compared with,
+"""Exercise 9, FSDP's choices: each verdict of exercises/09_fsdp_choices/check.py on records made up here (the units,
+peaks and fully_shard calls its recorder.py writes), the reference the training is compared with,
 and (slow) the start file and seeded mistakes of the solution run for real, each reaching its own verdict."""
 import re
 
 import pytest
 
-from exercises.inside import fsdp_choices
-from exercises.inside.fsdp_choices import (global_batches, granularity_problems, model_facts, order_problems,
-                                           peak_problems, plain_problems, records_problems, reference,
-                                           result_problems, step_losses)
+from exercises.check import exercise_checker
 from mistakes import CHECKING, exercise_problems, seeded, written
 from harness.jobs import REPO
+
+fsdp_choices = exercise_checker(9)  # exercises/09_fsdp_choices/check.py
+(global_batches, granularity_problems, model_facts, order_problems, peak_problems, plain_problems, records_problems,
+ reference, result_problems, step_losses) = (
+    fsdp_choices.global_batches, fsdp_choices.granularity_problems, fsdp_choices.model_facts,
+    fsdp_choices.order_problems, fsdp_choices.peak_problems, fsdp_choices.plain_problems, fsdp_choices.records_problems,
+    fsdp_choices.reference, fsdp_choices.result_problems, fsdp_choices.step_losses)
 
 pytestmark = CHECKING  # the slow tests run checks
 

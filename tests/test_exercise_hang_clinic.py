@@ -1,4 +1,4 @@
-"""Exercise 12, the hang clinic: each verdict of exercises/inside/hang_clinic.py on Flight Recorder dumps and results
+"""Exercise 12, the hang clinic: each verdict of exercises/12_hang_clinic/check.py on Flight Recorder dumps and results
 made up here, the one-rank reference, and (slow) the start file and seeded mistakes of the solution run for real,
 each reaching its own verdict."""
 import re
@@ -6,12 +6,17 @@ import time
 
 import pytest
 
-from exercises.inside import hang_clinic
-from exercises.inside.hang_clinic import (CASE_TIMEOUT_S, CASES, GAVE_UP, RANKS, START, diagnosis_problems,
-                                          hang_problems, one_rank_collectives, parting, read_diagnosis,
-                                          reference_results, result_problems, solution_traffic, traffic_problems)
+from exercises.check import exercise_checker
 from mistakes import CHECKING, exercise_problems, seeded, written
 from harness.jobs import REPO, start, torchrun
+
+hang_clinic = exercise_checker(12)  # exercises/12_hang_clinic/check.py
+(CASE_TIMEOUT_S, CASES, GAVE_UP, RANKS, START, diagnosis_problems, hang_problems, one_rank_collectives, parting,
+ read_diagnosis, reference_results, result_problems, solution_traffic, traffic_problems) = (
+    hang_clinic.CASE_TIMEOUT_S, hang_clinic.CASES, hang_clinic.GAVE_UP, hang_clinic.RANKS, hang_clinic.START,
+    hang_clinic.diagnosis_problems, hang_clinic.hang_problems, hang_clinic.one_rank_collectives, hang_clinic.parting,
+    hang_clinic.read_diagnosis, hang_clinic.reference_results, hang_clinic.result_problems,
+    hang_clinic.solution_traffic, hang_clinic.traffic_problems)
 
 pytestmark = CHECKING  # the slow tests run checks
 

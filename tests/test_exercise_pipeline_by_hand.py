@@ -5,11 +5,16 @@ import re
 import pytest
 import torch
 
-from exercises.inside.pipeline_by_hand import (MICROBATCHES, expected_order, gradient_problems, hang_problems,
-                                               memory_problems, merged, order_problems, passes_of, unseen_problems,
-                                               wait_problems, weight_problems)
+from exercises.check import exercise_checker
 from mistakes import CHECKING, exercise_problems, seeded, written
 from harness.jobs import REPO
+
+checker = exercise_checker(10)  # exercises/10_pipeline_by_hand/check.py
+(MICROBATCHES, expected_order, gradient_problems, hang_problems, memory_problems, merged, order_problems, passes_of,
+ unseen_problems, wait_problems, weight_problems) = (
+    checker.MICROBATCHES, checker.expected_order, checker.gradient_problems, checker.hang_problems,
+    checker.memory_problems, checker.merged, checker.order_problems, checker.passes_of, checker.unseen_problems,
+    checker.wait_problems, checker.weight_problems)
 
 pytestmark = CHECKING  # the slow tests run checks
 

@@ -4,9 +4,11 @@ made up here, each side of its line; the starting file through the planner for r
 85% line). The solution passing through the planner is tests/test_exercise_runs.py's."""
 import pytest
 
-from exercises.inside import plan_a_layout
+from exercises.check import exercise_checker
 from mistakes import exercise_problems
 from harness.jobs import REPO
+
+plan_a_layout = exercise_checker(13)  # exercises/13_plan_a_layout/check.py
 
 GiB = 2**30
 

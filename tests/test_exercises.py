@@ -9,16 +9,18 @@ import types
 import pytest
 
 from exercises import check as checker
-from exercises.check import (ACCUM_EPOCHS, EXERCISES, KILLED_EPOCH, SOLUTIONS, accumulation_problems,
-                             accumulation_reference, barrier_problems, ddp_problems, divergence_problems, exit_problems,
-                             loss_problems, order_problems, process_problems, restart_problems, resume_problems,
-                             saved_state_problems, shard_problems, teardown_problems, two_d_problems, writer_problems,
-                             context_problems)
+from exercises.check import EXERCISES, SOLUTIONS, exercise_checker
+from exercises.judging import (barrier_problems, ddp_problems, divergence_problems, exit_problems, loss_problems,
+                               order_problems, process_problems, saved_state_problems, shard_problems,
+                               teardown_problems, writer_problems)
 from harness.jobs import PYTHON, REPO, run
 from utils import make_workload
 from utils.gpt import help_pages
 
 STEPS = SOLUTIONS  # the step each exercise leads to, as the checker names it when all checks pass
+# The checkers of the exercises whose own verdicts are tried here (each exercise's check.py, in its folder)
+survive_a_kill, grad_accum, two_d, context_parallel = (exercise_checker(number) for number in (2, 4, 5, 6))
+KILLED_EPOCH = survive_a_kill.KILLED_EPOCH  # exercise 2 kills rank 1 as it begins this epoch
 STARTS = {number: f"exercises/{folder}/start.py" for number, folder in EXERCISES.items()}
 HIDDEN_BUGS = {12}  # exercises whose starting file hides what to change
 DATASET_SIZE = len(make_workload().train_set)  # the workload exercises 1-3 train on
@@ -216,7 +218,7 @@ def test_a_rank_that_begins_an_epoch_while_the_snapshot_is_written_means_a_missi
 def test_a_resumed_epoch_that_begins_from_other_state_than_the_killed_one_ended_with_is_named(lost):
     """The optimizer's state not saved, or saved and not loaded: the restarted job resumes with a fresh Adam."""
     samples = passes(epochs=KILLED_EPOCH) + passes(epochs=4, restart=1, first_epoch=KILLED_EPOCH)
-    assert resume_problems(samples) == []
+    assert survive_a_kill.resume_problems(samples) == []
     for row in samples:
         if row["restart"] == 1 and row["epoch"] == KILLED_EPOCH:
             row[f"{lost}_before"] = "fresh"
@@ -225,7 +227,7 @@ def test_a_resumed_epoch_that_begins_from_other_state_than_the_killed_one_ended_
            "save self.model.module.state_dict() in the snapshot and load it back before wrapping in DDP")
     what = ("its optimizer's state differed from the one" if lost == "optimizer" else
             "its parameters differed from those")
-    [problem] = resume_problems(samples)
+    [problem] = survive_a_kill.resume_problems(samples)
     assert problem.startswith(f"rank 0 resumed epoch 2 after the restart, but {what} it had at the end of epoch 1, "
                               "so the resumed run is not the run that was interrupted: " + fix), problem
 
@@ -250,18 +252,18 @@ def test_a_job_restarted_after_the_kill_resumes_at_the_killed_epoch_or_is_told_w
     def restarted_at(first_epoch, epochs=4):
         return passes(epochs=KILLED_EPOCH) + passes(epochs=epochs, restart=1, first_epoch=first_epoch)
 
-    assert restart_problems(restarted_at(KILLED_EPOCH), 4) == []
-    assert restart_problems(restarted_at(0), 4)[0].startswith(
+    assert survive_a_kill.restart_problems(restarted_at(KILLED_EPOCH), 4) == []
+    assert survive_a_kill.restart_problems(restarted_at(0), 4)[0].startswith(
         "after the kill in epoch 2 the restarted job started over from epoch 0: epochs 0-1 were lost. Save a snapshot")
-    assert restart_problems(restarted_at(1), 4) == [
+    assert survive_a_kill.restart_problems(restarted_at(1), 4) == [
         "the restarted job repeated epoch 1, which finished and was saved before the kill: store the number of "
         "epochs *run* (epoch + 1) and start there"]
-    assert restart_problems(restarted_at(1), 4, no_barrier=True) == []
-    assert restart_problems(restarted_at(3), 4) == [
+    assert survive_a_kill.restart_problems(restarted_at(1), 4, no_barrier=True) == []
+    assert survive_a_kill.restart_problems(restarted_at(3), 4) == [
         "the restarted job skipped epoch 2, which the kill interrupted: resume at the first epoch that did not finish"]
-    assert restart_problems(restarted_at(KILLED_EPOCH, epochs=3), 4) == [
+    assert survive_a_kill.restart_problems(restarted_at(KILLED_EPOCH, epochs=3), 4) == [
         "the restarted job stopped after epoch 2, not 3"]
-    assert restart_problems(passes(epochs=KILLED_EPOCH), 4) == ["no rank trained after the restart"]
+    assert survive_a_kill.restart_problems(passes(epochs=KILLED_EPOCH), 4) == ["no rank trained after the restart"]
 
 
 def test_ranks_that_share_their_samples_or_leave_some_out_are_told_to_use_a_distributed_sampler():
@@ -298,7 +300,7 @@ def optimizer_steps(steps_per_epoch=4, rounds=1, gradient=1.0, lr_per_micro_batc
     optimizer step (or once per micro-batch)."""
     from utils.loop import WarmupCosine
 
-    total = ACCUM_EPOCHS * steps_per_epoch
+    total = grad_accum.ACCUM_EPOCHS * steps_per_epoch
     factor = WarmupCosine(total)
     return [dict(rank=0, step=number, rounds=rounds, grad_norms=[gradient * NORM] * rounds,
                  lr=PEAK_LR * factor(min(total - 1, 2 * number if lr_per_micro_batch else number)))
@@ -307,26 +309,26 @@ def optimizer_steps(steps_per_epoch=4, rounds=1, gradient=1.0, lr_per_micro_batc
 
 def test_accumulation_verdicts_name_each_mistake_and_a_right_run_gets_none():
     reference = (NORM, PEAK_LR, 4)
-    assert accumulation_problems(optimizer_steps(), reference) == []
-    assert accumulation_problems(optimizer_steps(steps_per_epoch=8), reference) == [
+    assert grad_accum.accumulation_problems(optimizer_steps(), reference) == []
+    assert grad_accum.accumulation_problems(optimizer_steps(steps_per_epoch=8), reference) == [
         "rank 0 took 16 optimizer steps in 2 epochs, expected 8: with --grad_accum 2, step the optimizer once per 2 "
         "micro-batches (when `last` is True), not after every micro-batch"]
-    assert accumulation_problems([], reference)[0].startswith("no optimizer step was taken")
-    assert accumulation_problems(optimizer_steps(rounds=2), reference) == [
+    assert grad_accum.accumulation_problems([], reference)[0].startswith("no optimizer step was taken")
+    assert grad_accum.accumulation_problems(optimizer_steps(rounds=2), reference) == [
         "DDP all-reduced the gradients 2 time(s) per optimizer step, once per micro-batch: with --grad_accum 2 that "
         "is 2x the communication. Run all but the last micro-batch inside `with self.model.no_sync():`, the forward "
         "too (DDP decides in forward whether backward syncs)"]
-    assert accumulation_problems(optimizer_steps(gradient=2.0), reference) == [
+    assert grad_accum.accumulation_problems(optimizer_steps(gradient=2.0), reference) == [
         "the gradient of an optimizer step is 2.00x the mean over its micro-batches: the K=2 micro-batches' "
         "gradients add up, so divide each micro-batch's loss by K (by `micro_batches`) before backward"]
-    assert accumulation_problems(optimizer_steps(gradient=0.5), reference)[0].startswith(
+    assert grad_accum.accumulation_problems(optimizer_steps(gradient=0.5), reference)[0].startswith(
         "the gradient of the first optimizer step is 0.50x the mean over its 2 micro-batches on 2 ranks, expected 1x")
-    [schedule] = accumulation_problems(optimizer_steps(lr_per_micro_batch=True), reference)
+    [schedule] = grad_accum.accumulation_problems(optimizer_steps(lr_per_micro_batch=True), reference)
     assert schedule.startswith("optimizer step 1 used learning rate 0.00573, expected 0.006: the warm-up + cosine "
                                "schedule counts optimizer steps, so call scheduler.step() once per optimizer step"), \
         schedule
     # the communication and the schedule are judged apart: a script can get both wrong
-    both = accumulation_problems(optimizer_steps(rounds=2, lr_per_micro_batch=True), reference)
+    both = grad_accum.accumulation_problems(optimizer_steps(rounds=2, lr_per_micro_batch=True), reference)
     assert [problem.split(" ", 2)[:2] for problem in both] == [["DDP", "all-reduced"], ["optimizer", "step"]], both
 
 
@@ -337,10 +339,11 @@ def test_the_checker_expects_the_optimizer_steps_gpt_py_takes_when_the_data_does
     text = tmp_path / "text.txt"
     text.write_text(help_pages()[:4700])
     assert len(make_workload("gpt-cpu", text=str(text)).train_set) == 66
-    reference = accumulation_reference(text)
+    reference = grad_accum.accumulation_reference(text)
     assert reference[2] == 5
-    assert accumulation_problems(optimizer_steps(steps_per_epoch=5), (NORM, PEAK_LR, reference[2])) == []
-    assert accumulation_problems(optimizer_steps(steps_per_epoch=4), (NORM, PEAK_LR, reference[2]))[0].startswith(
+    reference = (NORM, PEAK_LR, reference[2])
+    assert grad_accum.accumulation_problems(optimizer_steps(steps_per_epoch=5), reference) == []
+    assert grad_accum.accumulation_problems(optimizer_steps(steps_per_epoch=4), reference)[0].startswith(
         "rank 0 took 8 optimizer steps in 2 epochs, expected 10")
 
 
@@ -355,12 +358,12 @@ def test_the_2d_verdicts_name_overlapping_dp_groups_a_missing_mesh_and_a_wrong_l
 
     reference = ({0: 1.0}, 8)
     halves = [[0, 2, 4, 6], [0, 2, 4, 6], [1, 3, 5, 7], [1, 3, 5, 7]]
-    assert two_d_problems(rows(halves), reference) == []
+    assert two_d.two_d_problems(rows(halves), reference) == []
     everything = [list(range(8))] * 4  # no sampler split at all
-    assert two_d_problems(rows(everything), reference)[0].startswith(
+    assert two_d.two_d_problems(rows(everything), reference)[0].startswith(
         "the dp groups 0 and 1 trained on the same samples in epoch 0 (8 of 8): each dp rank must get its own 1/2")
-    assert two_d_problems(rows(halves, mesh=False), reference)[0].startswith("no rank made a named device mesh")
-    assert two_d_problems(rows(halves, loss=1.5), reference) == [
+    assert two_d.two_d_problems(rows(halves, mesh=False), reference)[0].startswith("no rank made a named device mesh")
+    assert two_d.two_d_problems(rows(halves, loss=1.5), reference) == [
         "epoch 0's loss, averaged over the ranks, is 1.5000, but one process training on the same samples computes "
         "1.0000: the ranks do not compute what the model computes (the tensor-parallel plan, or the way the data "
         "reaches the ranks)"]
@@ -376,7 +379,7 @@ def test_the_context_verdicts_name_a_cut_that_overlaps_a_wrong_loss_an_uneven_lo
                 for rank, (positions, scores) in enumerate(zip(positions_by_rank, scores_by_rank))]
 
     def problems(*args, **options):
-        return context_problems(rows(*args, **options), {0: 1.0}, context=8)
+        return context_parallel.context_problems(rows(*args, **options), {0: 1.0}, context=8)
 
     balanced = [[0, 1, 6, 7], [2, 3, 4, 5]]
     assert problems(balanced, [20, 20]) == []

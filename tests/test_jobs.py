@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from harness.jobs import REPO, RECORDER, SHARED_VARIABLE, Job, environment, output, run, shared_file
+from harness.jobs import PYTHON, REPO, RECORDER, SHARED_VARIABLE, Job, environment, output, run, shared_file
 
 
 def test_slow_save_makes_every_save_slower_without_the_recorder_on(tmp_path, monkeypatch):
@@ -130,3 +130,47 @@ def test_a_run_cut_short_stops_its_job_which_no_signal_to_this_process_reaches(t
     pid = int((tmp_path / "pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+# A plugin named by its path (as an exercise's recorder.py is): it wraps all_reduce over the recorder's own wrapper and
+# notes the stack from a helper of its own, as the exercises' plugins do.
+PLUGIN = """import json
+
+import sitecustomize
+import torch.distributed as dist
+
+_all_reduce = dist.all_reduce
+
+
+def _stack_here():
+    return sitecustomize._stack()
+
+
+def _noting_all_reduce(*args, **kwargs):
+    sitecustomize._append("plugin.jsonl", json.dumps(dict(stack=_stack_here())))
+    return _all_reduce(*args, **kwargs)
+
+
+dist.all_reduce = _noting_all_reduce
+"""
+PROGRAM = """import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+dist.all_reduce(torch.ones(3))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_plugin_named_by_its_path_runs_and_its_frames_are_the_recorders_not_the_programs(tmp_path):
+    """JOB_RECORD_PLUGINS names a plugin by its path: the recorder runs it, and a line it records names the program's
+    own line, never the plugin's (the collective's caller, and the stack the plugin notes)."""
+    plugin, program = tmp_path / "recorder.py", tmp_path / "program.py"
+    plugin.write_text(PLUGIN)
+    program.write_text(PROGRAM)
+    job = run([PYTHON, program], cwd=tmp_path, record_collectives=True, env={"JOB_RECORD_PLUGINS": plugin}, timeout=60)
+    [noted] = job.records("plugin.jsonl")
+    assert noted["stack"] == [[str(program), 5, "<module>"]], noted
+    [call] = [row for row in job.records("collectives.jsonl") if row["event"] == "call" and row["op"] == "all_reduce"]
+    assert call["caller"] == [str(program), 5, "<module>"], call

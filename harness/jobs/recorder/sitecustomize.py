@@ -73,8 +73,9 @@ changed; without the variables nothing happens.
   model's parameters and the optimizer's state left out, as {"seq", "step", "op", "caller", "bytes"} of the first
   call each was given to; None without it) and "stepped" as it ends (`state`: the bytes of its state tensors,
   AdamW's moments).
-- JOB_RECORD_PLUGINS=`NAME,...` (with JOB_RECORD_DIR): import recorder/plugins/NAME.py too: what one exercise of
-  the workshop records beyond the above (each plugin's docstring says what).
+- JOB_RECORD_PLUGINS=`PLUGIN,...` (with JOB_RECORD_DIR): run each plugin too, a .py file by its path (an exercise's
+  recorder.py) or a module of recorder/plugins/ by name (traffic): what one job records beyond the above (each
+  plugin's docstring says what).
 - JOB_SLOW_SAVE=`SECONDS` (with or without JOB_RECORD_DIR): every torch.save to a file takes that much longer: it
   sleeps once the bytes are written, before it returns (a slow disk: the file being written is there, not yet
   renamed into place), so a rank that does not wait for the snapshot to be on disk shows it. Each rank's writes of a
@@ -137,12 +138,15 @@ def _restart():
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
+_PLUGIN_FILES = []  # the plugins' files (JOB_RECORD_PLUGINS): their frames are the recorder's, not the program's
+
+
 def _stack():
     """The calling frames outside the Python and torch installation (the script's, the repository's), outermost
     first, as [file, line, function]."""
     import traceback
 
-    installed = (sys.base_prefix, sys.prefix, os.path.dirname(os.__file__), os.path.dirname(__file__))
+    installed = (sys.base_prefix, sys.prefix, os.path.dirname(os.__file__), os.path.dirname(__file__), *_PLUGIN_FILES)
     return [[frame.filename, frame.lineno, frame.name] for frame in traceback.extract_stack()[:-2]
             if not frame.filename.startswith(installed) and "site-packages" not in frame.filename
             and not frame.filename.startswith("<")]
@@ -639,8 +643,8 @@ if RECORD_COLLECTIVES:
                     "broadcast", "all_to_all_single", "all_to_all", "isend", "irecv", "send", "recv", "barrier",
                     "reduce", "gather", "scatter")
     # Two measurements that cost time a benchmark of the same job would see, switched on by the plugin of the exercise
-    # that needs them (plugins/ddp_by_hand.py): an asynchronous all_reduce run on a copy of its tensor (_NotedWork),
-    # and the collectives' tensors still alive listed at each step (`held`).
+    # that needs them (exercises/07_ddp_by_hand/recorder.py): an asynchronous all_reduce run on a copy of its tensor
+    # (_NotedWork), and the collectives' tensors still alive listed at each step (`held`).
     _OPTIONS = dict(copy_in_flight=False, note_held=False)
     _ready = []  # [time, bytes] of each gradient the backward under way has accumulated, in order
     _given = []  # (weak reference to a tensor given to a collective (its base, for a view), seq, step, op, caller)
@@ -655,7 +659,8 @@ if RECORD_COLLECTIVES:
 
     def _caller():
         """The innermost calling frame outside the Python and torch installation: [file, line, function]."""
-        installed = (sys.base_prefix, sys.prefix, os.path.dirname(os.__file__), os.path.dirname(__file__))
+        installed = (sys.base_prefix, sys.prefix, os.path.dirname(os.__file__), os.path.dirname(__file__),
+                     *_PLUGIN_FILES)
         for frame in reversed(traceback.extract_stack()[:-2]):
             if not frame.filename.startswith(installed) and "site-packages" not in frame.filename:
                 return [frame.filename, frame.lineno, frame.name]
@@ -891,9 +896,17 @@ if RECORD_COLLECTIVES:
 
 if RECORD_DIR and os.environ.get("JOB_RECORD_PLUGINS"):
     import importlib
+    import importlib.util
 
-    # What one exercise of the workshop needs recorded beyond the above: modules of recorder/plugins/, named in
-    # JOB_RECORD_PLUGINS (comma-separated); each reads this module's _append, _rank and _restart.
+    # What one job needs recorded beyond the above, named in JOB_RECORD_PLUGINS (comma-separated): an exercise's
+    # recorder.py by its path, or a module of recorder/plugins/ by name (traffic); each reads this module's _append,
+    # _rank and _restart.
     sys.path.insert(0, os.path.dirname(__file__))
     for _plugin in os.environ["JOB_RECORD_PLUGINS"].split(","):
-        importlib.import_module(f"plugins.{_plugin}")
+        if _plugin.endswith(".py"):
+            _PLUGIN_FILES.append(os.path.abspath(_plugin))
+            _spec = importlib.util.spec_from_file_location(os.path.basename(os.path.dirname(_PLUGIN_FILES[-1])),
+                                                           _PLUGIN_FILES[-1])
+            _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+        else:
+            importlib.import_module(f"plugins.{_plugin}")

@@ -1,5 +1,5 @@
 """Exercise 10's checker: a pipeline schedule by hand. It runs the learner's script twice, `--schedule gpipe` and
-`--schedule 1f1b` (two ranks each, at once), recorded by harness/jobs/recorder/plugins/pipeline_by_hand.py, and judges:
+`--schedule 1f1b` (two ranks each, at once), recorded by this folder's recorder.py, and judges:
 - the gradients: the first optimizer step's, and every stage's weights after the last step, against one process
   training the exercise's whole model (the repository's, with its batches, loss and learning rate, whatever the
   script's own functions became) on the same batches, each micro-batch's loss divided by M;
@@ -10,6 +10,7 @@
   must be waited for.
 """
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,7 +25,8 @@ P2P_TIMEOUT_S = COLLECTIVE_TIMEOUT_S
 SCHEDULES = ("gpipe", "1f1b")
 NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
 TOLERANCE = 1e-5  # relative: the stages compute the same operations as one process, in the same order
-PLUGIN = "pipeline_by_hand"
+RECORDER = Path(__file__).with_name("recorder.py")  # what this exercise needs recorded beyond the recorder's own
+PLUGIN = "pipeline_by_hand"  # the name of the files it writes
 RECORD = f"{PLUGIN}.jsonl"
 QUIET_S = 5  # every rank waiting for the other and nothing recorded for this long: a deadlock, stopped there
 
@@ -376,7 +378,7 @@ def check(script, workdir, say):
                    "--batch_size", BATCH_SIZE, "--steps", STEPS, "--timeout", P2P_TIMEOUT_S]
             say(f"running: {shown(cmd)}")
             jobs[schedule] = start(cmd, cwd=folder, logs=folder / "records", record=True,
-                                   env={"JOB_RECORD_PLUGINS": PLUGIN})
+                                   env={"JOB_RECORD_PLUGINS": RECORDER})
         until_deadlocked(jobs, say)
     finally:
         for job in jobs.values():

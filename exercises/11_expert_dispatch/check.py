@@ -8,13 +8,14 @@ make_tokens, its rounds), checks that the script's are those, and computes the w
 expert here, each token's top_k experts run on it directly); it compares each rank's output, the gradient of its
 tokens, every expert's weight gradients (held by one rank) and the router's (the ranks' sum). A gradient that is the
 whole layer's with one of its two paths cut (the tokens' rows detached on their way to the experts, or the gates
-detached from the router) is named as such. From expert_dispatch.jsonl (the recorder plugin of that name: every
+detached from the router) is named as such. From expert_dispatch.jsonl (written by this folder's recorder.py: every
 all_to_all_single as it was asked for, before it ran) it reads each round's all-to-alls: the split sizes must add up
 to the rows of their tensors, the rows each rank sent to the other must be the assignments its tokens routed to that
 rank's experts, the rows it made room for must be what the other sent, and backward must send rows too (the
 gradients going back). A crash that none of this explains is said as the script's own error.
 """
 import re
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from exercises.judging import COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, exi
 from harness.jobs import REPO, run, shown, torchrun
 
 SOLUTION = REPO / "exercises/11_expert_dispatch/solution.py"
+RECORDER = Path(__file__).with_name("recorder.py")  # what this exercise needs recorded beyond the recorder's own
 ROUND_FILE = "round{round}_rank{rank}_{part}.pt"  # part "in": tokens and weights; "out": outputs, gradients
 # Float32 sums in another order than the whole layer's: each value is off by about 1e-7 of the largest of the terms it
 # adds up (the row's largest value stands for them), a wrong dispatch by a whole term.
@@ -356,7 +358,7 @@ def check(script, workdir, say):
     cmd = [*torchrun(script, nproc=WORLD_SIZE), "--out", out, "--timeout", COLLECTIVE_TIMEOUT_S]
     say(f"running: {shown(cmd)}   (2 ranks, 2 experts each; rounds of uneven loads, top_k 1 and 2)")
     job = run(cmd, cwd=workdir, logs=workdir / "records", record=True, timeout=JOB_LIMIT_S, check=False,
-              env={"JOB_RECORD_PLUGINS": "expert_dispatch"})
+              env={"JOB_RECORD_PLUGINS": RECORDER})
     rounds, finished = load_rounds(out)
     expected = exercise_rounds()[:len(rounds)]
     wrong = input_problems(rounds, expected)

@@ -47,8 +47,10 @@ def _note(event, **fields):
 
 
 def _stack():
-    """The calling frames outside the Python and torch installation and the recorder, outermost first."""
-    installed = (sys.base_prefix, sys.prefix, os.path.dirname(os.__file__), os.path.dirname(sitecustomize.__file__))
+    """The calling frames outside the Python and torch installation and the recorder (this file too), outermost
+    first."""
+    installed = (sys.base_prefix, sys.prefix, os.path.dirname(os.__file__), os.path.dirname(sitecustomize.__file__),
+                 __file__)
     return [[frame.filename, frame.lineno, frame.name] for frame in traceback.extract_stack()[:-2]
             if not frame.filename.startswith(installed) and "site-packages" not in frame.filename
             and not frame.filename.startswith("<")]

@@ -1,6 +1,6 @@
 """Recorder plugin of exercise 11 (the experts' dispatch): every all-to-all of rows, as it was asked for.
 
-JOB_RECORD_PLUGINS=expert_dispatch writes expert_dispatch.jsonl, a JSON line per call of
+Named in JOB_RECORD_PLUGINS (by this file's path), it writes expert_dispatch.jsonl, a JSON line per call of
 torch.distributed.all_to_all_single, written before the call runs, so that a call whose split sizes make it fail
 (torch refuses them, or gloo aborts the process when a rank sends more rows than the other made room for) is there
 too: pid, rank, restart, and

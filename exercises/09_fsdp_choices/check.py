@@ -1,8 +1,8 @@
 """Exercise 9's checker: FSDP's choices. The learner's script runs under torchrun (2 CPU ranks, gloo) and trains the
-exercise's residual MLP (4 blocks) for 32 steps with FSDP2; the recorder's fsdp_choices plugin notes each call of
-fully_shard, and for every step each FSDP unit (its parameters, how often it was gathered whole, whether it gave its
-whole parameters back at the end of its forward) and the most bytes of parameters a rank held whole at once, in
-forward and in backward. What a correct shard(model, mesh) gives:
+exercise's residual MLP (4 blocks) for 32 steps with FSDP2; this folder's recorder.py (a plugin of the recorder)
+notes each call of fully_shard, and for every step each FSDP unit (its parameters, how often it was gathered whole,
+whether it gave its whole parameters back at the end of its forward) and the most bytes of parameters a rank held
+whole at once, in forward and in backward. What a correct shard(model, mesh) gives:
 
 - every parameter sharded: no parameter the optimizer steps is a plain tensor (a plain one's gradient is averaged
   by nobody, and each rank's copy drifts on its own);
@@ -19,6 +19,7 @@ forward and in backward. What a correct shard(model, mesh) gives:
 """
 import math
 import re
+from pathlib import Path
 
 import torch
 
@@ -27,6 +28,7 @@ from exercises.judging import (COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, ex
 from harness.jobs import REPO, run, shown, torchrun
 
 SOLUTION = REPO / "exercises" / "09_fsdp_choices" / "solution.py"
+RECORDER = Path(__file__).with_name("recorder.py")  # what this exercise needs recorded beyond the recorder's own
 SAVED = "fsdp_weights.pt"  # the script's default --weights, in its working folder
 LOSS_TOLERANCE = 1e-4  # a reduce-scatter's and one process's sums round apart by ~1e-7; a wrong gradient is far off
 WEIGHT_TOLERANCE = 1e-4
@@ -259,11 +261,11 @@ def result_problems(losses, weights, expected_losses, expected_weights):
 
 
 def check(script, workdir, say):
-    """Run the learner's script under torchrun with the fsdp_choices recorder; judge its units, its peaks of
+    """Run the learner's script under torchrun with this folder's recorder.py; judge its units, its peaks of
     parameters held whole, and its training against one process's."""
     cmd = [*torchrun(script, nproc=WORLD_SIZE), "--batch_size", BATCH_SIZE, "--timeout", str(COLLECTIVE_TIMEOUT_S)]
     say(f"running: {shown(cmd)}")
-    job = run(cmd, cwd=workdir, logs=workdir / "records", record=True, env={"JOB_RECORD_PLUGINS": "fsdp_choices"},
+    job = run(cmd, cwd=workdir, logs=workdir / "records", record=True, env={"JOB_RECORD_PLUGINS": RECORDER},
               timeout=JOB_LIMIT_S, check=False)
     rows = job.records("fsdp_choices.jsonl")
     shards = [row for row in rows if row.get("event") == "shard"]

@@ -1,7 +1,8 @@
 """Exercise 8's checker: ZeRO by hand. The learner's script runs twice under torchrun (2 CPU ranks, gloo), with
 --stage 1 and with --stage 2, both jobs at once; the recorder notes every collective each rank called (its bytes),
-each optimizer step (the bytes of the parameters and gradients it updates, and of its state), and its plugin
-zero_by_hand the gradients each rank holds as it steps and a digest of its model. What a correct script does:
+each optimizer step (the bytes of the parameters and gradients it updates, and of its state), and this folder's
+recorder.py (a plugin of the recorder) the gradients each rank holds as it steps and a digest of its model. What a
+correct script does:
 
 - its weights after STEPS steps are those of torch.optim.AdamW in one process on the whole global batch (the mean of
   the ranks' mean losses), computed here from the repository's solution.py (its model, data and hyperparameters);
@@ -28,6 +29,7 @@ from exercises.judging import (COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, ex
 from harness.jobs import REPO, shown, start, torchrun
 
 SOLUTION = REPO / "exercises/08_zero_by_hand/solution.py"
+RECORDER = Path(__file__).with_name("recorder.py")  # what this exercise needs recorded beyond the recorder's own
 STEPS = 40
 STAGES = (1, 2)
 WEIGHTS = "weights.pt"
@@ -365,7 +367,7 @@ def check(script, workdir, say):
         say(f"running: {shown(cmd)}   (every collective and optimizer step recorded, and the gradients each rank "
             "holds as it steps)")
         jobs[stage] = (folder, start(cmd, cwd=folder, logs=folder / "records", record_collectives=True,
-                                     env={"JOB_RECORD_PLUGINS": "zero_by_hand"}))
+                                     env={"JOB_RECORD_PLUGINS": RECORDER}))
     try:
         # Computed while the jobs run: this process waits for them anyway.
         say(f"computing the reference: AdamW in one process on the whole global batch, {STEPS} steps")

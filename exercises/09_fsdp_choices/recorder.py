@@ -1,6 +1,7 @@
 """Recorder plugin of exercise 9 (FSDP's choices): which parameters FSDP2 (fully_shard) held whole, and when.
 
-JOB_RECORD_PLUGINS=fsdp_choices writes fsdp_choices.jsonl, JSON lines with pid, rank, restart and `event`:
+Named in JOB_RECORD_PLUGINS (by this file's path), it writes fsdp_choices.jsonl, JSON lines with pid, rank, restart and
+`event`:
 - "shard", per call of torch.distributed.fsdp.fully_shard, before it runs: `module` (the class of the module given),
   `params` (how many parameters it holds), `sharded_already` (how many of them an earlier call sharded: DTensors
   already), `reshard_after_forward` (as passed; None: not passed), `caller` ([file, line, function], the innermost

@@ -2,8 +2,8 @@
 --bucket_mb BUCKET_MB for EPOCHS epochs; the recorder notes every all-reduce each rank started (its bytes, whether
 it was asynchronous, whether a gradient hook called it during backward), when backward accumulated each gradient, when
 each all-reduce was waited on (its Work's wait, or its future's) and whether its buffer was written before that, each
-optimizer step with the buffers of all-reduces still alive then (the last two with the recorder's plugin ddp_by_hand). What a correct script does, step by step and rank by
-rank:
+optimizer step with the buffers of all-reduces still alive then (the last two with this folder's recorder.py, a
+plugin of the recorder). What a correct script does, step by step and rank by rank:
 
 - it all-reduces every gradient once: the bytes of the step's all-reduces are the model's gradients' bytes;
 - its buckets are those --bucket_mb makes of the gradients in the order backward hands them over (the last layer's
@@ -30,6 +30,7 @@ from exercises.judging import (COLLECTIVE_TIMEOUT_S, JOB_LIMIT_S, WORLD_SIZE, ex
 from harness.jobs import REPO, run, shown, torchrun
 
 SOLUTION = REPO / "exercises" / "07_ddp_by_hand" / "solution.py"
+RECORDER = Path(__file__).with_name("recorder.py")  # what this exercise needs recorded beyond the recorder's own
 BUCKET_MB = 0.1  # buckets of 0.1 MiB: the MLP's 8 gradients (466 KB) make 3 of them
 EPOCHS, BATCH_SIZE = 2, 16  # 40 optimizer steps of 16 samples per rank
 SAVED = "hand_ddp.pt"
@@ -347,7 +348,7 @@ def check(script, workdir, say):
            BATCH_SIZE, "--save", SAVED, "--timeout", COLLECTIVE_TIMEOUT_S]
     say(f"running: {shown(cmd)}   (every all-reduce, wait, backward and optimizer step recorded)")
     job = run(cmd, cwd=workdir, logs=workdir / "records", record_collectives=True, timeout=JOB_LIMIT_S,
-              check=False, env={"JOB_RECORD_PLUGINS": "ddp_by_hand"})
+              check=False, env={"JOB_RECORD_PLUGINS": RECORDER})
     if not job.ok:
         return exit_problems(job, script)
     say("computing the reference: one process on both ranks' batches, as DistributedDataParallel trains")

@@ -1,8 +1,9 @@
 """Recorder plugin of exercise 8 (ZeRO by hand): the gradients a rank holds as it steps, and whether the ranks hold
 the same model.
 
-JOB_RECORD_PLUGINS=zero_by_hand writes zero_by_hand.jsonl, a JSON line per optimizer step of each process, as the step
-begins: pid, rank, restart, `step` (the optimizer steps this process had taken before this one), and
+Named in JOB_RECORD_PLUGINS (by this file's path), it writes zero_by_hand.jsonl, a JSON line per optimizer step of
+each process, as the step begins: pid, rank, restart, `step` (the optimizer steps this process had taken before this
+one), and
   - `held_grads`: the bytes of the gradients the rank holds then, wherever they are held: the .grad of each parameter
     of every nn.Module the process made (the model's) and of each tensor the optimizer steps (a shard of the flat
     parameters); every tensor that was a parameter's .grad when the step's backward ended and is still alive (set to
