@@ -5,6 +5,7 @@
 """
 import argparse
 import contextlib
+import math
 import os
 import time
 from datetime import timedelta
@@ -47,7 +48,8 @@ class Trainer:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.save_every = save_every
-        self.args, self.steps_per_epoch = args, -(-len(train_data) // args.grad_accum)  # K micro-batches a step
+        self.args = args
+        self.steps_per_epoch = math.ceil(len(train_data) / args.grad_accum)  # K micro-batches a step
         self.schedule = WarmupCosine(args.total_epochs * self.steps_per_epoch)  # warm-up, then a cosine
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule)
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 underflows otherwise
@@ -61,13 +63,15 @@ class Trainer:
         require_same_start(self.epochs_run, device)
         # Rank r of a cp group holds chunks r and 2cp-1-r of the sequence's 2cp: causal attention costs a late chunk
         # more than an early one, and the pairs even out the ranks' work (docs/context-parallel.md measures it).
-        self.cp, cp = mesh["cp"].get_group(), mesh["cp"].size()
+        self.cp = mesh["cp"].get_group()
+        cp = mesh["cp"].size()
         self.chunks_by_rank = [[r, 2 * cp - 1 - r] for r in range(cp)]
         # DDP broadcasts rank 0's weights, then averages the gradients over all dp x cp ranks: the gradient of the
         # batch's mean loss (a rank's hold, through the exchange, the other ranks' losses in its keys and values).
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
         # Compile DDP(model), not DDP(compiled): dynamo cuts the graph at DDP's buckets, so all-reduces overlap.
-        self.model = torch.compile(self.model) if args.compile else self.model
+        if args.compile:
+            self.model = torch.compile(self.model)
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
@@ -111,7 +115,8 @@ class Trainer:
         self.train_data.sampler.set_epoch(epoch)
         # [summed loss, samples], kept on the device.
         totals = torch.zeros(2, device=self.device)
-        batches, K = len(self.train_data), self.args.grad_accum
+        batches = len(self.train_data)
+        K = self.args.grad_accum
         for i, (source, targets) in enumerate(self.train_data):
             # The ranks of a cp group read the same sequences; each keeps the tokens of its own chunks.
             source, targets = source[:, self.positions].to(self.device), targets[:, self.positions].to(self.device)
@@ -127,9 +132,11 @@ class Trainer:
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         tokens_per_s = samples_per_s * source.shape[1]  # the whole job's
         utilisation = mfu(self.model, tokens_per_s, self.device, self.args.peak_tflops)
+        # The MFU where the device's peak is known (a GPU's, or --peak_tflops).
+        mfu_text = f" | MFU {utilisation:.1%}" if utilisation else ""
         if self.global_rank == 0:
             print(f"{self.tag} epoch {epoch} | steps {self.steps_per_epoch} | loss {mean_loss:.4f} | "
-                  f"{tokens_per_s:,.0f} tokens/s" + (f" | MFU {utilisation:.1%}" if utilisation else ""))
+                  f"{tokens_per_s:,.0f} tokens/s{mfu_text}")
 
     def _save_snapshot(self, epoch, rng_states):
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
@@ -144,7 +151,9 @@ class Trainer:
     def train(self, max_epochs):
         # Inside it the model takes a rank's chunks, at their positions in the whole sequence, and every attention
         # exchanges K and V with the cp group (utils/context.py); after it, the model is whole again.
-        with split_sequence(self.model, self.cp, self.chunks_by_rank, exchange=self.args.exchange) as self.positions:
+        with split_sequence(self.model, self.cp, self.chunks_by_rank, exchange=self.args.exchange) as positions:
+            # The places of this rank's tokens in the whole sequence: each batch keeps those (_run_epoch).
+            self.positions = positions
             for epoch in range(self.epochs_run, max_epochs):
                 self._run_epoch(epoch)
                 if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
@@ -201,7 +210,9 @@ def main(args):
     if trainer.global_rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
         sample = generate(trainer.model, seed=0).strip("\n").splitlines()  # the same seed every run
-        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
+        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:")
+        for line in sample:
+            print(f"  | {line}")
     dist.destroy_process_group()
     # Python's teardown can abort under gloo: see utils.
     exit_without_teardown()

@@ -5,6 +5,7 @@
 """
 import argparse
 import contextlib
+import math
 import os
 import time
 from datetime import timedelta
@@ -55,21 +56,26 @@ class Trainer:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.save_every = save_every
-        self.args, self.steps_per_epoch = args, -(-len(train_data) // args.grad_accum)  # K micro-batches a step
+        self.args = args
+        self.steps_per_epoch = math.ceil(len(train_data) / args.grad_accum)  # K micro-batches a step
         self.schedule = WarmupCosine(args.total_epochs * self.steps_per_epoch)  # warm-up, then a cosine
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule)
         self.dtype = {"bf16": torch.bfloat16}.get(args.precision)  # None: fp32
         # The weights are built: each rank its own dropout masks.
         torch.manual_seed(1 + self.global_rank)
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
-        self.snapshot_path, self.ep = snapshot_path, mesh["ep"].get_group()
+        self.snapshot_path = snapshot_path
+        # The ranks that split the experts: the gradient norm adds up over them.
+        self.ep = mesh["ep"].get_group()
         # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
         self.epochs_run = self._load_snapshot() if exists_on_any_rank(snapshot_path, device) else 0
         # Each node read the snapshot from its own disk.
         require_same_start(self.epochs_run, device)
         # An expert's gradient sums the losses of every ep rank whose tokens it took: a DDP of its own averages it
         # over its dp copies, and / ep makes it, like every other gradient, the mean over all ranks.
-        ids, self.syncs = [device.index] if device.type == "cuda" else None, []
+        ids = [device.index] if device.type == "cuda" else None
+        # Every DDP of this rank: a micro-batch that must not all-reduce runs inside the no_sync() of each.
+        self.syncs = []
         for layer in moe_layers(model):
             layer.experts = DDP(layer.experts, device_ids=ids, process_group=mesh["dp"].get_group())
             for weight in layer.experts.parameters():
@@ -106,8 +112,9 @@ class Trainer:
         # All but the last micro-batch of a step run inside every DDP's no_sync(), the forward too (DDP arms its
         # all-reduce there): their gradients add up locally and backward all-reduces once per optimizer step.
         with contextlib.ExitStack() as unsynced:
-            for ddp in [] if last else self.syncs:
-                unsynced.enter_context(ddp.no_sync())
+            if not last:
+                for ddp in self.syncs:
+                    unsynced.enter_context(ddp.no_sync())
             with torch.autocast(self.device.type, self.dtype, enabled=self.dtype is not None):  # weights stay fp32
                 loss = self.loss_fn(self.model(source), targets)
             # The routers' load-balancing loss, smallest when they spread the batch's tokens evenly over the experts.
@@ -127,7 +134,8 @@ class Trainer:
         self.train_data.sampler.set_epoch(epoch)
         # [summed loss, samples], kept on the device.
         totals = torch.zeros(2, device=self.device)
-        batches, K = len(self.train_data), self.args.grad_accum
+        batches = len(self.train_data)
+        K = self.args.grad_accum
         for i, (source, targets) in enumerate(self.train_data):
             source, targets = source.to(self.device), targets.to(self.device)
             # K, or what is left for the epoch's last step.
@@ -144,10 +152,11 @@ class Trainer:
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         tokens_per_s = samples_per_s * source.shape[1]  # the whole job's
         utilisation = mfu(self.model, tokens_per_s, self.device, self.args.peak_tflops)
+        # The MFU where the device's peak is known (a GPU's, or --peak_tflops).
+        mfu_text = f" | MFU {utilisation:.1%}" if utilisation else ""
         if self.global_rank == 0:
             print(f"{self.tag} epoch {epoch} | steps {self.steps_per_epoch} | loss {mean_loss:.4f} | "
-                  f"{tokens_per_s:,.0f} tokens/s" + (f" | MFU {utilisation:.1%}" if utilisation else "") +
-                  f" | {describe(routing, self.steps_per_epoch)}")
+                  f"{tokens_per_s:,.0f} tokens/s{mfu_text} | {describe(routing, self.steps_per_epoch)}")
 
     def _save_snapshot(self, epoch, rng_states):
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
@@ -222,7 +231,9 @@ def main(args):
     sample = generate(trainer.model, seed=0).strip("\n").splitlines()  # the same seed every run
     if trainer.global_rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
-        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
+        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:")
+        for line in sample:
+            print(f"  | {line}")
     dist.destroy_process_group()
     # Python's teardown can abort under gloo: see utils.
     exit_without_teardown()

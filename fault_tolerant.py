@@ -5,7 +5,6 @@
     torchrun --nproc_per_node=gpu fault_tolerant.py 50 10 --group 1 --groups 2 --lighthouse http://LIGHTHOUSE:29510
 """
 import argparse
-import functools
 import math
 import os
 import time
@@ -59,22 +58,30 @@ class Trainer:
         # After fully_shard: it steps the shards.
         self.optimizer = make_optimizer(model)
         self.train_data = train_data
+        # This rank's share of an epoch's samples, in the epoch's shuffled order, and the epoch it is of.
+        self.share = []
+        self.share_epoch = None
         self.loss_fn = loss_fn
         self.save_every = save_every
         self.tag = f"[group {args.group} | rank {self.global_rank}/{dist.get_world_size()} | {device}]"
         # Each group its own snapshot: any one of them can resume alone.
         self.snapshot_path = f"{snapshot_path}-group{args.group}"
-        self.verbose, self.arguments = args.verbose, [args.total_epochs, args.batch_size, args.groups, args.workload]
-        self.group, self.groups, self.timeout = args.group, args.groups, args.timeout
+        self.verbose = args.verbose
+        self.arguments = [args.total_epochs, args.batch_size, args.groups, args.workload]
+        self.group = args.group
+        self.groups = args.groups
+        self.timeout = args.timeout
         self.result_path = os.path.join(os.path.dirname(snapshot_path), "ft_model_full.pt")  # beside the snapshots
         # A group that torchrun started again has lost what it trained since its snapshot: it must not lead a quorum
         # until it has trained a step with a group that holds the job's steps (_quorum_holds_the_job).
         self.holds_the_job = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
         # Rank 0 serves the group's Manager, which meets the other groups at the lighthouse; the other ranks read its
         # address after the barrier, not one that rank 0 of the attempt before a restart left in torchrun's store.
-        self.manager = self._make_manager(args, host) if self.global_rank == 0 else None
+        if self.global_rank == 0:
+            self.manager = self._make_manager(args, host)
         dist.barrier()
-        self.manager = self.manager or self._make_manager(args, host)
+        if self.global_rank != 0:
+            self.manager = self._make_manager(args, host)
         # Its step() steps only if every group of the step's quorum did all its all-reduces.
         self.ft_optimizer = Optimizer(self.manager, self.optimizer)
         # DCP's load is a collective: if any rank finds a snapshot, all of them load it.
@@ -100,7 +107,8 @@ class Trainer:
 
     def _state(self):
         # What a healthy group sends one that is behind: each rank its shards, to the same rank of the other group.
-        return dict(zip(["MODEL", "OPTIMIZER"], get_state_dict(self.model, self.optimizer)), ARGS=self.arguments)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return dict(MODEL=model_state, OPTIMIZER=optimizer_state, ARGS=self.arguments)
 
     def _heal(self, sent):
         # A group that is behind (restarted, or new) loads it, then trains the step with the others. Other arguments
@@ -148,7 +156,9 @@ class Trainer:
                       f"{self.timeout} s: they have finished, hang, or are gone, and this group trained nothing; to go "
                       "on from the snapshots without them, start every group again", here=self.global_rank == 0)
         time.sleep(1)
-        return since or time.monotonic()
+        if since is None:
+            since = time.monotonic()
+        return since
 
     def _run_batch(self, source, targets):
         loss = self.loss_fn(self.model(source), targets)
@@ -162,8 +172,9 @@ class Trainer:
 
     def _save_snapshot(self, epoch):
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
-        snapshot = dict(zip(["MODEL_STATE", "OPTIMIZER_STATE"], get_state_dict(self.model, self.optimizer)),
-                        EPOCHS_RUN=epoch + 1, STEP="fault_tolerant.py", TORCHFT=self.manager.state_dict())
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state, EPOCHS_RUN=epoch + 1,
+                        STEP="fault_tolerant.py", TORCHFT=self.manager.state_dict())
         # Every rank writes its shards into one folder of the job's; rank 0 then swaps it in for the last snapshot.
         tmp = f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp"
         with replacing(self.snapshot_path, tmp, rename=self.global_rank == 0):
@@ -188,28 +199,46 @@ class Trainer:
         while True:
             # Its zero_grad() forms the step's quorum: the groups that train it; one that is behind heals here.
             self.ft_optimizer.zero_grad(set_to_none=True)
-            if (step := self.manager.current_step()) >= max_epochs * steps_per_epoch:
+            step = self.manager.current_step()
+            if step >= max_epochs * steps_per_epoch:
                 break
             if not self._quorum_holds_the_job():
                 waiting_since = self._wait_for_the_job(step, waiting_since)
                 continue
             waiting_since = None
             epoch, batch = divmod(step, steps_per_epoch)
-            source, targets = batch_of_step(self.train_data, epoch, batch)  # this rank's share of the step
+            source, targets = self._batch_of_step(epoch, batch)  # this rank's share of the step
             loss = self._run_batch(source.to(self.device), targets.to(self.device))
             weights = weights_digest(self.model, self.device)
             done = self.manager.current_step()  # one more if this step committed
             self.holds_the_job = self.holds_the_job or done > step
             if self.global_rank == 0:
-                print(f"{self.tag} step {step} | participants {self.manager.num_participants()} | loss "
-                      f"{loss.item():.4f} | weights {weights}" if done > step else f"{self.tag} step {step} not "
-                      "committed: a group of its quorum failed, and the groups left do it again")
+                if done > step:
+                    print(f"{self.tag} step {step} | participants {self.manager.num_participants()} | loss "
+                          f"{loss.item():.4f} | weights {weights}")
+                else:
+                    print(f"{self.tag} step {step} not committed: a group of its quorum failed, and the groups left "
+                          "do it again")
             epochs_done, into_epoch = divmod(done, steps_per_epoch)
             if done > step and into_epoch == 0 and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
                 self._save_snapshot(epochs_done - 1)  # sharded: every rank writes its part
                 # No rank runs ahead of a snapshot not on disk yet.
                 dist.barrier()
         log_memory("end", self.model, self.optimizer, self.device, self.verbose)
+
+    def _batch_of_step(self, epoch, batch):
+        # Batch `batch` of this rank's share of the epoch: a step is read by its number, not by iterating. A new
+        # shuffle each epoch, the same in every group: the share is listed once an epoch.
+        if epoch != self.share_epoch:
+            self.train_data.sampler.set_epoch(epoch)
+            self.share = list(self.train_data.sampler)
+            self.share_epoch = epoch
+        first = batch * self.train_data.batch_size
+        indices = self.share[first:first + self.train_data.batch_size]
+        # A loader of exactly these samples, in one batch: read whole, it gives that batch.
+        loader = DataLoader(self.train_data.dataset, batch_size=len(indices), sampler=indices)
+        batches = list(loader)
+        return batches[0]
 
 
 def load_train_objs(args):
@@ -221,21 +250,6 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, group: int, groups: in
     # Each rank reads 1/(groups x its group's ranks) of every epoch: share rank + ranks x group.
     return DataLoader(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), shuffle=False,
                       sampler=DistributedSampler(dataset, group, groups))
-
-
-def batch_of_step(train_data, epoch, batch):
-    # Batch `batch` of this rank's share of the epoch: a step is read by its number, not by iterating.
-    first = batch * train_data.batch_size
-    indices = epoch_share(train_data.sampler, epoch)[first:first + train_data.batch_size]
-    [batch] = DataLoader(train_data.dataset, batch_size=len(indices), sampler=indices)  # the one batch of them all
-    return batch
-
-
-@functools.lru_cache(maxsize=1)
-def epoch_share(sampler, epoch):
-    # A new shuffle each epoch, the same in every group.
-    sampler.set_epoch(epoch)
-    return list(sampler)
 
 
 def main(args):

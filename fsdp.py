@@ -45,8 +45,9 @@ class Trainer:
         self.device = device
         self.model = model.to(device)
         # Each block, then the root: one block's full weights exist at a time; each parameter becomes a 1/N shard.
-        for module in [*model.children(), model] if fsdp else []:
-            fully_shard(module, **fsdp)
+        if fsdp:
+            for module in [*model.children(), model]:
+                fully_shard(module, **fsdp)
         # After fully_shard: it steps the shards.
         self.optimizer = make_optimizer(model)
         self.train_data = train_data
@@ -60,7 +61,8 @@ class Trainer:
         # Each node read the snapshot from its own disk.
         require_same_start(self.epochs_run, device)
         # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward().
-        self.model = self.model if fsdp else DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if not fsdp:
+            self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
@@ -105,8 +107,8 @@ class Trainer:
 
     def _save_snapshot(self, epoch):
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
-        snapshot = dict(zip(["MODEL_STATE", "OPTIMIZER_STATE"], get_state_dict(self.model, self.optimizer)),
-                        EPOCHS_RUN=epoch + 1, STEP="fsdp.py")
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state, EPOCHS_RUN=epoch + 1, STEP="fsdp.py")
         # Every rank writes its shards into one folder of the job's; rank 0 then swaps it in for the last snapshot.
         tmp = f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp"
         with replacing(self.snapshot_path, tmp, rename=self.global_rank == 0):

@@ -5,6 +5,7 @@
 """
 import argparse
 import contextlib
+import math
 import os
 import time
 from datetime import timedelta
@@ -45,7 +46,8 @@ class Trainer:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.save_every = save_every
-        self.args, self.steps_per_epoch = args, -(-len(train_data) // args.grad_accum)  # K micro-batches a step
+        self.args = args
+        self.steps_per_epoch = math.ceil(len(train_data) / args.grad_accum)  # K micro-batches a step
         self.schedule = WarmupCosine(args.total_epochs * self.steps_per_epoch)  # warm-up, then a cosine
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule)
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 underflows otherwise
@@ -60,7 +62,8 @@ class Trainer:
         # DDP broadcasts rank 0's weights, then all-reduces (averages) the gradients inside backward().
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
         # Compile DDP(model), not DDP(compiled): dynamo cuts the graph at DDP's buckets, so all-reduces overlap.
-        self.model = torch.compile(self.model) if args.compile else self.model
+        if args.compile:
+            self.model = torch.compile(self.model)
 
     def _load_snapshot(self):
         with stop_if_unloadable(self.snapshot_path):
@@ -104,7 +107,8 @@ class Trainer:
         self.train_data.sampler.set_epoch(epoch)
         # [summed loss, samples], kept on the device.
         totals = torch.zeros(2, device=self.device)
-        batches, K = len(self.train_data), self.args.grad_accum
+        batches = len(self.train_data)
+        K = self.args.grad_accum
         for i, (source, targets) in enumerate(self.train_data):
             source, targets = source.to(self.device), targets.to(self.device)
             # K, or what is left for the epoch's last step.
@@ -119,9 +123,11 @@ class Trainer:
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         tokens_per_s = samples_per_s * source.shape[1]  # the whole job's
         utilisation = mfu(self.model, tokens_per_s, self.device, self.args.peak_tflops)
+        # The MFU where the device's peak is known (a GPU's, or --peak_tflops).
+        mfu_text = f" | MFU {utilisation:.1%}" if utilisation else ""
         if self.global_rank == 0:
             print(f"{self.tag} epoch {epoch} | steps {self.steps_per_epoch} | loss {mean_loss:.4f} | "
-                  f"{tokens_per_s:,.0f} tokens/s" + (f" | MFU {utilisation:.1%}" if utilisation else ""))
+                  f"{tokens_per_s:,.0f} tokens/s{mfu_text}")
 
     def _save_snapshot(self, epoch, rng_states):
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
@@ -182,7 +188,9 @@ def main(args):
     if trainer.global_rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
         sample = generate(trainer.model, seed=0).strip("\n").splitlines()  # the same seed every run
-        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
+        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:")
+        for line in sample:
+            print(f"  | {line}")
     dist.destroy_process_group()
     # Python's teardown can abort under gloo: see utils.
     exit_without_teardown()

@@ -78,7 +78,8 @@ class Trainer:
         self.global_rank = int(os.environ["RANK"])
         self.device = device
         self.model = model.to(device)
-        self.train_data, self.held_out = train_data, held_out
+        self.train_data = train_data
+        self.held_out = held_out
         self.optimizer = optimizer
         self.save_every = save_every
         self.args = args
@@ -88,15 +89,21 @@ class Trainer:
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)  # None: fp32
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path = snapshot_path
-        # The snapshot being written, if an asynchronous save is under way.
-        self.saving = None
+        # The snapshot being written, while a save is under way: its folder, its step, and an asynchronous save's
+        # future (None for a save written at once).
+        self.saving_to = None
+        self.saving_step = None
+        self.saving_future = None
         # An asynchronous save writes in a thread, over a process group of its own: its collectives never meet the
         # training's in one queue. They too give up after --timeout.
         saver_timeout = timedelta(seconds=args.timeout)
         self.saver = dist.new_group(backend="gloo", timeout=saver_timeout) if args.async_save else None
         # Where the run is: the optimizer steps taken, the next global batch of the data (its cursor), the tokens
         # trained on, the batches --skip left out. That is all a resume needs to go on, on any number of ranks.
-        self.steps_run, self.next_batch, self.tokens, self.skipped = 0, 0, 0, ""
+        self.steps_run = 0
+        self.next_batch = 0
+        self.tokens = 0
+        self.skipped = ""
         # DCP's load is a collective: if any rank finds the snapshot to go on from, all of them load it.
         if exists_on_any_rank(resume, device):
             self._load_snapshot(resume)
@@ -104,10 +111,13 @@ class Trainer:
         require_same_start(self.steps_run, device, unit="steps")
         # Two stages on each rank, rank r holding stages r and r + pp: each micro-batch passes every rank twice, so the
         # pipeline fills in half the time (the bubble halves) for twice the sends.
-        M, pp = args.microbatches, mesh["pp"]
-        self.stages = [PipelineStage(part, index, 2 * pp.size(), device, *stage_io(
-            model, train_data.share // M, index, 2 * pp.size(), self.dtype, mesh["tp"].size()), group=pp.get_group())
-            for index, part in stages]
+        M = args.microbatches
+        pp = mesh["pp"]
+        self.stages = []
+        for index, part in stages:
+            inputs, outputs = stage_io(model, train_data.share // M, index, 2 * pp.size(), self.dtype,
+                                       mesh["tp"].size())
+            self.stages.append(PipelineStage(part, index, 2 * pp.size(), device, inputs, outputs, group=pp.get_group()))
         # Each micro-batch's loss summed over its tokens, times dp over the tokens that count in the whole global batch:
         # FSDP averages the gradients over dp, so the step's is that of the mean over every token the batch counts.
         self.pipeline = ScheduleInterleaved1F1B(self.stages, M, loss_fn=lambda out, y: token_loss(out, y) * self.scale)
@@ -135,8 +145,10 @@ class Trainer:
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                            options=BY_NAME)
             self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])
-            self.steps_run, self.next_batch = snapshot["STEPS_RUN"], snapshot["NEXT_BATCH"]
-            self.tokens, self.skipped = snapshot["TOKENS"], snapshot["SKIPPED"]
+            self.steps_run = snapshot["STEPS_RUN"]
+            self.next_batch = snapshot["NEXT_BATCH"]
+            self.tokens = snapshot["TOKENS"]
+            self.skipped = snapshot["SKIPPED"]
         self.schedule.resume(self.scheduler.last_epoch, self.args.total_steps - self.steps_run)
         print(f"{self.tag} resuming from step {self.steps_run} at global batch {self.next_batch}, restart "
               f"{os.environ['TORCHELASTIC_RESTART_COUNT']}")
@@ -144,10 +156,14 @@ class Trainer:
     def _run_batch(self, source, targets, counted, saved):
         # The schedule runs the micro-batches' forwards and backwards through both stages of every rank; the logits
         # stay split over the vocabulary, so the loss and its gradient are computed inside loss_parallel.
-        inputs, losses = [source] if self.stages[0].is_first else [], []
-        last, self.scale = any(stage.is_last for stage in self.stages), self.mesh["dp"].size() / counted
+        inputs = [source] if self.stages[0].is_first else []
+        last = any(stage.is_last for stage in self.stages)
+        target = targets if last else None
+        losses = []
+        # What the pipeline's loss_fn (made in __init__) multiplies each micro-batch's summed loss by.
+        self.scale = self.mesh["dp"].size() / counted
         with loss_parallel(), saved:
-            self.pipeline.step(*inputs, target=targets if last else None, losses=losses)
+            self.pipeline.step(*inputs, target=target, losses=losses)
         # Clip by the norm of the whole model's gradient: the stages add up their squared norms along the pipeline.
         # Each weight is a DTensor: its norm is over its mesh (dp x tp) already.
         parameters = list(self.model.parameters())
@@ -177,7 +193,9 @@ class Trainer:
             counted = (targets != IGNORE).sum()
             dist.all_reduce(counted, group=self.mesh["dp"].get_group())
             loss = self._run_batch(source, targets, counted.item(), saved if step == 0 else contextlib.nullcontext())
-            self.steps_run, self.next_batch, self.tokens = self.steps_run + 1, batch + 1, self.tokens + counted.item()
+            self.steps_run += 1
+            self.next_batch = batch + 1
+            self.tokens += counted.item()
             # The last stage of each pipeline counts its tokens: once per pipeline, over the ranks.
             if loss is not None and self.mesh["tp"].get_local_rank() == 0:  # its tp ranks have the same loss
                 totals[0] += loss
@@ -187,7 +205,7 @@ class Trainer:
                 self._evaluate()
             if self.steps_run % self.save_every == 0 or self.steps_run == total_steps:
                 self._save_snapshot()  # sharded: every rank writes its part
-            if self.saving and self.saving[1].done():
+            if self.saving_future is not None and self.saving_future.done():
                 # The snapshot written in the background is whole: it becomes the last one.
                 self._finish_save()
         log_rank_metrics(None, steps, totals, start, step=self.steps_run, unit="tokens", activation_bytes=saved.bytes,
@@ -200,10 +218,12 @@ class Trainer:
         seconds = time.perf_counter() - start
         tokens_per_s = totals[1].item() / seconds  # the whole job's
         utilisation = mfu(self.model, tokens_per_s, self.device, self.args.peak_tflops)
+        # The MFU where the device's peak is known (a GPU's, or --peak_tflops).
+        mfu_text = f" | MFU {utilisation:.1%}" if utilisation else ""
+        minutes_left = seconds / steps * (total_steps - self.steps_run) / 60
         if self.global_rank == 0:
             print(f"{self.tag} step {self.steps_run}/{total_steps} | {self.tokens:,} tokens | loss {mean_loss:.4f} | "
-                  f"{tokens_per_s:,.0f} tokens/s" + (f" | MFU {utilisation:.1%}" if utilisation else "")
-                  + f" | {seconds / steps * (total_steps - self.steps_run) / 60:.1f} min left")
+                  f"{tokens_per_s:,.0f} tokens/s{mfu_text} | {minutes_left:.1f} min left")
             scalars = {"loss/train": mean_loss, "tokens_per_s": tokens_per_s,
                        "learning_rate": self.scheduler.get_last_lr()[0]}
             for name, value in scalars.items():
@@ -236,30 +256,33 @@ class Trainer:
         # Until then a Ctrl-C removes it, also while a thread writes it in the background.
         path = step_snapshot(self.snapshot_path, self.steps_run)
         tmp = being_written(f"{path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp")
+        self.saving_to = tmp
+        self.saving_step = self.steps_run
         # Copies the state to memory, then writes it in a thread while the training goes on.
         if self.saver:
-            self.saving = tmp, dcp.async_save(snapshot, checkpoint_id=tmp, process_group=self.saver), self.steps_run
+            self.saving_future = dcp.async_save(snapshot, checkpoint_id=tmp, process_group=self.saver)
         # Written at once, inside replacing(): a save cut short (a full disk) is removed, and said in one line.
         else:
-            self.saving = tmp, None, self.steps_run
             self._finish_save(snapshot)
 
     def _finish_save(self, snapshot=None):
-        if self.saving:
-            tmp, written, steps = self.saving
-            # A kill before this line leaves the last snapshot as it was, never one cut short; the new one, whole.
-            with replacing(step_snapshot(self.snapshot_path, steps), tmp, rename=self.global_rank == 0):
-                if written is None:
-                    # A synchronous save: every rank writes its shards now.
-                    dcp.save(snapshot, checkpoint_id=tmp)
-                else:
-                    # An asynchronous save: wait until every rank wrote.
-                    written.result()
-            self.saving = None
-            if self.global_rank == 0:
-                for old in whole_snapshots(self.snapshot_path)[:-self.args.keep]:
-                    remove(old)  # only the last --keep snapshots stay
-                print(f"{self.tag} step {steps} | snapshot saved to {step_snapshot(self.snapshot_path, steps)}")
+        if self.saving_to is None:
+            return
+        path = step_snapshot(self.snapshot_path, self.saving_step)
+        # A kill before this line leaves the last snapshot as it was, never one cut short; the new one, whole.
+        with replacing(path, self.saving_to, rename=self.global_rank == 0):
+            if self.saving_future is None:
+                # A synchronous save: every rank writes its shards now.
+                dcp.save(snapshot, checkpoint_id=self.saving_to)
+            else:
+                # An asynchronous save: wait until every rank wrote.
+                self.saving_future.result()
+        if self.global_rank == 0:
+            for old in whole_snapshots(self.snapshot_path)[:-self.args.keep]:
+                remove(old)  # only the last --keep snapshots stay
+            print(f"{self.tag} step {self.saving_step} | snapshot saved to {path}")
+        self.saving_to = None
+        self.saving_future = None
 
     def train(self, total_steps):
         # The global batches this run reads, from the cursor on, less those --skip names (a line says which).
@@ -290,7 +313,11 @@ def parallelize(model, mesh, args):
     layers = [name for name, _ in model.named_children()]  # embed, block0 ... blockN-1, head
     for name in layers[1:-1]:
         parallelize_module(model.get_submodule(name), mesh["tp"], PLAN)
-    pp, rank, stages = mesh["pp"].size(), mesh["pp"].get_local_rank(), []
+    pp = mesh["pp"].size()
+    rank = mesh["pp"].get_local_rank()
+    # (index, stage) of this rank's two stages, and the names of the layers they hold.
+    stages = []
+    mine = []
     # bf16 compute, and the gradients reduce-scattered in fp32 (a bf16 sum over many ranks loses their low bits).
     policy = MixedPrecisionPolicy(torch.bfloat16 if args.precision == "bf16" else None, reduce_dtype=torch.float32)
     for index in (rank, rank + pp):
@@ -304,8 +331,11 @@ def parallelize(model, mesh, args):
         # micro-batch's backward only, and each layer's weights, gathered in the first forward, kept until then.
         stage = nn.Sequential(OrderedDict((name, model.get_submodule(name)) for name in keep))
         stages.append((index, fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=policy)))
-    for name in set(layers) - {name for _, part in stages for name, _ in part.named_children()}:
-        delattr(model, name)  # the other ranks' layers
+        mine += keep
+    # The other ranks' layers.
+    for name in layers:
+        if name not in mine:
+            delattr(model, name)
     return model, stages
 
 
@@ -352,9 +382,10 @@ def main(args):
         with said_once_per_node(args.timeout):
             load_seed_checkpoint(model, args.seed_checkpoint)
     # Each dp rank reads its share of every global batch; the pipeline's stages and tp ranks, the same share.
-    dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    train_data = Shares(train_tokens, args.global_batch, SEED, *dp)
-    held_out = DataLoader(HeldOut(held_out_tokens, args.global_batch, SEED, *dp), batch_size=None)
+    dp_rank = mesh["dp"].get_local_rank()
+    dp_size = mesh["dp"].size()
+    train_data = Shares(train_tokens, args.global_batch, SEED, dp_rank, dp_size)
+    held_out = DataLoader(HeldOut(held_out_tokens, args.global_batch, SEED, dp_rank, dp_size), batch_size=None)
     # A snapshot that every rank finds unusable, or finished already: one line on each node too.
     with said_once_per_node(args.timeout):
         trainer = Trainer(model, stages, train_data, held_out, make_optimizer(model), device, args.save_every,
@@ -370,7 +401,9 @@ def main(args):
         trainer.board.close()
         print(f"{trainer.tag} full model saved to {full_path}")
         sample = generate(model, seed=0).strip("\n").splitlines()  # the same seed every run
-        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
+        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:")
+        for line in sample:
+            print(f"  | {line}")
     # Python's teardown can abort under gloo: see utils.
     exit_without_teardown()
 

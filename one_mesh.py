@@ -77,15 +77,19 @@ class Trainer:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.save_every = save_every
-        self.args, self.steps_per_epoch = args, len(train_data)  # an optimizer step per batch
+        self.args = args
+        self.steps_per_epoch = len(train_data)  # an optimizer step per batch
         self.mesh = mesh
         self.schedule = WarmupCosine(args.total_epochs * self.steps_per_epoch)  # warm-up, then a cosine
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule)
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)  # None: fp32
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path = snapshot_path
-        # The snapshot being written, if an asynchronous save is under way.
-        self.saving = None
+        # The snapshot being written, while a save is under way: its folder, its epoch, and an asynchronous save's
+        # future (None for a save written at once).
+        self.saving_to = None
+        self.saving_epoch = None
+        self.saving_future = None
         # An asynchronous save writes in a thread, over a process group of its own: its collectives never meet the
         # training's in one queue. They too give up after --timeout.
         saver_timeout = timedelta(seconds=args.timeout)
@@ -96,10 +100,12 @@ class Trainer:
         require_same_start(self.epochs_run, device)
         # Two stages on each rank, rank r holding stages r and r + pp: each micro-batch passes every rank twice, so the
         # pipeline fills in half the time (the bubble halves) for twice the sends.
-        M, pp = args.microbatches, mesh["pp"]
-        self.stages = [PipelineStage(part, index, 2 * pp.size(), device, *stage_io(
-            model, args.batch_size // M, index, 2 * pp.size(), self.dtype, mesh["tp"].size()), group=pp.get_group())
-            for index, part in stages]
+        M = args.microbatches
+        pp = mesh["pp"]
+        self.stages = []
+        for index, part in stages:
+            inputs, outputs = stage_io(model, args.batch_size // M, index, 2 * pp.size(), self.dtype, mesh["tp"].size())
+            self.stages.append(PipelineStage(part, index, 2 * pp.size(), device, inputs, outputs, group=pp.get_group()))
         self.pipeline = ScheduleInterleaved1F1B(self.stages, M, loss_fn=lambda out, y: loss_fn(out, y) / M)
         # Each micro-batch's loss is divided by M already, on every torch version.
         self.pipeline.scale_grads = False
@@ -125,10 +131,12 @@ class Trainer:
     def _run_batch(self, source, targets, saved):
         # The schedule runs the micro-batches' forwards and backwards through both stages of every rank; the logits
         # stay split over the vocabulary, so the loss and its gradient are computed inside loss_parallel.
-        inputs, losses = [source] if self.stages[0].is_first else [], []
+        inputs = [source] if self.stages[0].is_first else []
         last = any(stage.is_last for stage in self.stages)
+        target = targets if last else None
+        losses = []
         with loss_parallel(), saved:
-            self.pipeline.step(*inputs, target=targets if last else None, losses=losses)
+            self.pipeline.step(*inputs, target=target, losses=losses)
         # Clip by the norm of the whole model's gradient: the stages add up their squared norms along the pipeline.
         # Each weight is a DTensor: its norm is over its mesh (dp x tp) already.
         parameters = list(self.model.parameters())
@@ -160,7 +168,7 @@ class Trainer:
             if loss is not None and self.mesh["tp"].get_local_rank() == 0:  # its tp ranks have the same loss
                 totals[0] += loss * len(source)
                 totals[1] += len(source)
-            if self.saving and self.saving[1].done():
+            if self.saving_future is not None and self.saving_future.done():
                 # The snapshot written in the background is whole: it becomes the last one.
                 self._finish_save()
         log_rank_metrics(epoch, self.steps_per_epoch, totals, start, activation_bytes=saved.bytes, **self.held)
@@ -171,9 +179,11 @@ class Trainer:
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         tokens_per_s = samples_per_s * source.shape[1]  # the whole job's
         utilisation = mfu(self.model, tokens_per_s, self.device, self.args.peak_tflops)
+        # The MFU where the device's peak is known (a GPU's, or --peak_tflops).
+        mfu_text = f" | MFU {utilisation:.1%}" if utilisation else ""
         if self.global_rank == 0:
             print(f"{self.tag} epoch {epoch} | steps {self.steps_per_epoch} | loss {mean_loss:.4f} | "
-                  f"{tokens_per_s:,.0f} tokens/s" + (f" | MFU {utilisation:.1%}" if utilisation else ""))
+                  f"{tokens_per_s:,.0f} tokens/s{mfu_text}")
 
     def _save_snapshot(self, epoch):
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
@@ -186,23 +196,27 @@ class Trainer:
         # Every rank writes its shards into one folder of this save's; rank 0 makes it the last snapshot once whole.
         # Until then a Ctrl-C removes it, also while a thread writes it in the background.
         tmp = being_written(f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.{epoch}.tmp")
+        self.saving_to = tmp
+        self.saving_epoch = epoch
         # Copies the state to memory, then writes it in a thread while the training goes on.
         if self.saver:
-            self.saving = tmp, dcp.async_save(snapshot, checkpoint_id=tmp, process_group=self.saver), epoch
+            self.saving_future = dcp.async_save(snapshot, checkpoint_id=tmp, process_group=self.saver)
         else:
-            self.saving = tmp, dcp.save(snapshot, checkpoint_id=tmp), epoch
+            dcp.save(snapshot, checkpoint_id=tmp)
             self._finish_save()
 
     def _finish_save(self):
-        if self.saving:
-            tmp, written, epoch = self.saving
-            # A kill before this line leaves the last snapshot as it was, never one cut short; the new one, whole.
-            with replacing(self.snapshot_path, tmp, rename=self.global_rank == 0):
-                # An asynchronous save: wait until every rank wrote.
-                getattr(written, "result", lambda: None)()
-            self.saving = None
-            if self.global_rank == 0:
-                print(f"{self.tag} epoch {epoch} | snapshot saved to {self.snapshot_path}")
+        if self.saving_to is None:
+            return
+        # A kill before this line leaves the last snapshot as it was, never one cut short; the new one, whole.
+        with replacing(self.snapshot_path, self.saving_to, rename=self.global_rank == 0):
+            # An asynchronous save: wait until every rank wrote.
+            if self.saving_future is not None:
+                self.saving_future.result()
+        if self.global_rank == 0:
+            print(f"{self.tag} epoch {self.saving_epoch} | snapshot saved to {self.snapshot_path}")
+        self.saving_to = None
+        self.saving_future = None
 
     def train(self, max_epochs):
         for epoch in range(self.epochs_run, max_epochs):
@@ -225,7 +239,11 @@ def parallelize(model, mesh, args):
     layers = [name for name, _ in model.named_children()]  # embed, block0 ... blockN-1, head
     for name in layers[1:-1]:
         parallelize_module(model.get_submodule(name), mesh["tp"], PLAN)
-    pp, rank, stages = mesh["pp"].size(), mesh["pp"].get_local_rank(), []
+    pp = mesh["pp"].size()
+    rank = mesh["pp"].get_local_rank()
+    # (index, stage) of this rank's two stages, and the names of the layers they hold.
+    stages = []
+    mine = []
     # bf16 compute, and the gradients reduce-scattered in fp32 (a bf16 sum over many ranks loses their low bits).
     policy = MixedPrecisionPolicy(torch.bfloat16 if args.precision == "bf16" else None, reduce_dtype=torch.float32)
     for index in (rank, rank + pp):
@@ -239,8 +257,11 @@ def parallelize(model, mesh, args):
         # micro-batch's backward only, and each layer's weights, gathered in the first forward, kept until then.
         stage = nn.Sequential(OrderedDict((name, model.get_submodule(name)) for name in keep))
         stages.append((index, fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=policy)))
-    for name in set(layers) - {name for _, part in stages for name, _ in part.named_children()}:
-        delattr(model, name)  # the other ranks' layers
+        mine += keep
+    # The other ranks' layers.
+    for name in layers:
+        if name not in mine:
+            delattr(model, name)
     return model, stages
 
 
@@ -303,7 +324,9 @@ def main(args):
         metrics = evaluate(model, workload.eval_set, workload.loss_fn, device)
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
         sample = generate(model, seed=0).strip("\n").splitlines()  # the same seed every run
-        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
+        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:")
+        for line in sample:
+            print(f"  | {line}")
     # Python's teardown can abort under gloo: see utils.
     exit_without_teardown()
 

@@ -54,7 +54,8 @@ class Trainer:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.save_every = save_every
-        self.args, self.steps_per_epoch = args, len(train_data)  # an optimizer step per batch
+        self.args = args
+        self.steps_per_epoch = len(train_data)  # an optimizer step per batch
         self.schedule = WarmupCosine(args.total_epochs * self.steps_per_epoch)  # warm-up, then a cosine
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule)
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)  # None: fp32
@@ -71,7 +72,9 @@ class Trainer:
                          process_group=mesh["dp"].get_group())
         # The stage sends its activations down the pipeline (pp) and their gradients back up, in buffers of the shapes
         # it is told (tokens or activations in, activations or logits out): it needs no trial forward through DDP.
-        M, stage, stages = args.microbatches, mesh["pp"].get_local_rank(), mesh["pp"].size()
+        M = args.microbatches
+        stage = mesh["pp"].get_local_rank()
+        stages = mesh["pp"].size()
         inputs, outputs = stage_io(model, args.batch_size // M, stage, stages, self.dtype)
         self.stage = PipelineStage(self.model, stage, stages, device, inputs, outputs, group=mesh["pp"].get_group())
         # The schedule orders the passes. Each micro-batch's loss is divided by M: their gradients add up to the mean's.
@@ -105,9 +108,11 @@ class Trainer:
         # and backwards in its order, each stage waiting for the activations of the one before and the gradients of
         # the one after: (stages - 1) / (M + stages - 1) of the step, the bubble, every stage idles. Only the first
         # stage reads the tokens; only the last has the targets, and the micro-batches' losses.
-        inputs, losses = [source] if self.stage.is_first else [], []
+        inputs = [source] if self.stage.is_first else []
+        target = targets if self.stage.is_last else None
+        losses = []
         with torch.autocast(self.device.type, self.dtype, enabled=self.dtype is not None):  # weights stay fp32
-            self.pipeline.step(*inputs, target=targets if self.stage.is_last else None, losses=losses)
+            self.pipeline.step(*inputs, target=target, losses=losses)
         # Clip by the norm of the whole model's gradient: the stages add up their squared norms along the pipeline.
         squares = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters()]) ** 2
         dist.all_reduce(squares, group=self.stage.group)
@@ -139,9 +144,11 @@ class Trainer:
         samples_per_s = totals[1].item() / (time.perf_counter() - start)
         tokens_per_s = samples_per_s * source.shape[1]  # the whole job's
         utilisation = mfu(self.model, tokens_per_s, self.device, self.args.peak_tflops)
+        # The MFU where the device's peak is known (a GPU's, or --peak_tflops).
+        mfu_text = f" | MFU {utilisation:.1%}" if utilisation else ""
         if self.global_rank == 0:
             print(f"{self.tag} epoch {epoch} | steps {self.steps_per_epoch} | loss {mean_loss:.4f} | "
-                  f"{tokens_per_s:,.0f} tokens/s" + (f" | MFU {utilisation:.1%}" if utilisation else ""))
+                  f"{tokens_per_s:,.0f} tokens/s{mfu_text}")
 
     def _save_snapshot(self, epoch, rng_states):
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
@@ -178,7 +185,10 @@ def cut(model, stage, stages):
     # are deleted. The layers keep the whole model's names (block3 stays block3), which the snapshots are keyed by.
     blocks = [name for name, _ in model.named_children() if name.startswith("block")]
     keep = blocks[stage * len(blocks) // stages:(stage + 1) * len(blocks) // stages]
-    keep += ["embed"] * (stage == 0) + ["head"] * (stage == stages - 1)
+    if stage == 0:
+        keep.append("embed")
+    if stage == stages - 1:
+        keep.append("head")
     for name in [name for name, _ in model.named_children() if name not in keep]:
         delattr(model, name)
     return model
@@ -229,7 +239,9 @@ def main(args):
     if trainer.global_rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
         sample = generate(trainer.model, seed=0).strip("\n").splitlines()  # the same seed every run
-        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:", *sample, sep="\n  | ")
+        print(f"{trainer.tag} sample after {trainer.scheduler.last_epoch} optimizer steps:")
+        for line in sample:
+            print(f"  | {line}")
     dist.destroy_process_group()
     # Python's teardown can abort under gloo: see utils.
     exit_without_teardown()

@@ -60,7 +60,10 @@ def fake_job(rank, world_size):
         dist.destroy_process_group()
         forget_the_meshes()  # the next rank's meshes are new
         for name, value in before.items():
-            os.environ.pop(name) if value is None else os.environ.update({name: value})
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 class PeakMemory(MemTracker):
@@ -105,8 +108,12 @@ def one_mesh_rank(config, args, mesh, fake):
         batch = tokens(args.batch_size, config.context)
         trainer = one_mesh.Trainer(model, stages, [batch], make_optimizer(model, config), next_token_loss,
                                    torch.device("cpu"), 1, NO_SNAPSHOT, step_arguments(args), mesh)
-    layers = "; ".join(f"stage {stage.stage_index}: {', '.join(name for name, _ in stage.submod.named_children())}"
-                       for stage in trainer.stages)
+    # Each of the rank's stages, with the layers it holds.
+    described = []
+    for stage in trainer.stages:
+        names = [name for name, _ in stage.submod.named_children()]
+        described.append(f"stage {stage.stage_index}: {', '.join(names)}")
+    layers = "; ".join(described)
     groups = {dim: mesh[dim].get_group() for dim in ("tp", "dp", "pp")}
     return trainer, lambda saved: trainer._run_batch(*batch, saved), groups, layers
 
@@ -220,8 +227,10 @@ def tokens(sequences, context):
 def accumulated(run_batch, batch, micro_batches):
     """A step of gpt.py's or expert_parallel.py's Trainer: `micro_batches` calls of its _run_batch, each with its part
     of the batch, the last one synchronising the gradients and stepping the optimizer."""
-    for index, (source, targets) in enumerate(zip(*(part.chunk(micro_batches) for part in batch))):
-        run_batch(source, targets, micro_batches, index == micro_batches - 1)
+    sources, targets = batch
+    parts = zip(sources.chunk(micro_batches), targets.chunk(micro_batches))
+    for index, (source, target) in enumerate(parts):
+        run_batch(source, target, micro_batches, index == micro_batches - 1)
 
 
 def plan_rank(rank, config, args, count=True):
@@ -235,9 +244,13 @@ def plan_rank(rank, config, args, count=True):
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         trainer, run_step, groups, layers = LAYOUTS[args.step](config, args, mesh, fake)
         named = named_groups(groups)  # every process group of this rank, by the mesh dimension of the same ranks
+        # What the rank holds once the optimizer has stepped: its weights, their gradients and the optimizer's state.
         held = {}
-        trainer.optimizer.register_step_post_hook(lambda *_: held.update(state_bytes(trainer.model,
-                                                                                   trainer.optimizer)))
+
+        def count_held(*_):
+            held.update(state_bytes(trainer.model, trainer.optimizer))
+
+        trainer.optimizer.register_step_post_hook(count_held)
         with fake:
             peak = PeakMemory()
             peak.track_external(trainer.model, trainer.optimizer)
@@ -248,8 +261,10 @@ def plan_rank(rank, config, args, count=True):
                 run_step(saved)
             seconds = time.perf_counter() - began
         where = ", ".join(f"{dim} {mesh[dim].get_local_rank()}" for dim in mesh.mesh_dim_names) if mesh else "dp"
+    # MemTracker's peak on the first device it tracked: the fake tensors are all on the CPU.
+    peak_bytes = list(peak.get_tracker_snapshot("peak").values())[0]["Total"]
     return dict(rank=rank, where=where, layers=layers, checkpointed=args.checkpoint_activations, seconds=seconds,
-                **held, activations=saved.bytes, peak=next(iter(peak.get_tracker_snapshot("peak").values()))["Total"],
+                **held, activations=saved.bytes, peak=peak_bytes,
                 groups={label: ranks for label, ranks in named.values()},
                 collectives=counting.collectives if count else None)
 
@@ -259,7 +274,10 @@ def tallied(collectives):
     rows = {}
     for collective in collectives:
         key = (collective["kind"], collective["group"], collective["ranks"], collective["bytes"])
-        row = rows.setdefault(key, dict(zip(("kind", "group", "ranks", "bytes"), key), count=0, sent=0.0))
+        if key not in rows:
+            rows[key] = dict(kind=collective["kind"], group=collective["group"], ranks=collective["ranks"],
+                             bytes=collective["bytes"], count=0, sent=0.0)
+        row = rows[key]
         row["count"] += 1
         row["sent"] += sent_per_rank(collective)
     return sorted(rows.values(), key=lambda row: -row["sent"])
@@ -278,11 +296,14 @@ def estimate(plan, config, args, gpu):
     flops = device_flops(config, args.batch_size, tp, pp)
     recomputed = recomputed_flops(config, args.batch_size, tp, pp) if plan["checkpointed"] else 0.0
     links = {label: link_of(ranks, gpu.per_node) for label, ranks in plan["groups"].items()}
-    sent = {label: sum(row["sent"] for row in plan["tally"] if row["group"] == label) for label in links}
+    # The bytes this rank sent on each group's link, over the step.
+    sent = {}
+    for label in links:
+        sent[label] = sum(row["sent"] for row in plan["tally"] if row["group"] == label)
     # Whatever is not tensor or pipeline parallelism is data's (dp's, the experts' ep, DDP's all ranks): overlapped.
     data = sum(bytes_ for label, bytes_ in sent.items() if label not in ("tp", "pp"))
-    data_link = "network" if any(links[label] == "network" for label in links if label not in ("tp", "pp")) \
-        else "nvlink"
+    data_links = [link for label, link in links.items() if label not in ("tp", "pp")]
+    data_link = "network" if "network" in data_links else "nvlink"
     seconds = step_time(flops, gpu, sent.get("tp", 0.0), data, sent.get("pp", 0.0), links.get("tp", "nvlink"),
                         data_link, links.get("pp", "network"), pp, args.microbatches, recomputed=recomputed)
     return dict(seconds, flops=flops, mfu=mfu(flops, seconds["step"], gpu.flops), links=links, sent=sent)
@@ -301,17 +322,22 @@ COUNTED = {"one_mesh": "the pipeline's sends are counted as each stage makes the
 
 def report(plan, gpu):
     """What one rank holds, keeps and sends, and its step's time on `gpu`, as lines to print."""
-    other = plan.get("other")
     checkpointing = "with" if plan["checkpointed"] else "without"
+    activations = (f"  activations  {plan['activations'] / GiB:.2f} GiB kept for backward {checkpointing} activation "
+                   "checkpointing")
+    peak = f"  peak         {plan['peak'] / GiB:.2f} GiB (torch's MemTracker)"
+    # The same rank traced again with checkpointing switched over (--compare_checkpointing): its figures beside.
+    other = plan.get("other")
+    if other:
+        other_checkpointing = "with" if other["checkpointed"] else "without"
+        activations += f", {other['activations'] / GiB:.2f} GiB {other_checkpointing}"
+        peak += f", {other['peak'] / GiB:.2f} GiB {other_checkpointing} checkpointing"
+    peak += f"; an {gpu.name} has {gpu.memory / GiB:.1f} GiB"
     lines = [f"rank {plan['rank']} ({plan['where']}; {plan['layers']}), its step traced in {plan['seconds']:.1f} s:",
              f"  holds        params {plan['params'] / GiB:.2f} GiB + grads {plan['grads'] / GiB:.2f} GiB + "
              f"AdamW {plan['optim'] / GiB:.2f} GiB",
-             f"  activations  {plan['activations'] / GiB:.2f} GiB kept for backward {checkpointing} activation "
-             f"checkpointing" + (f", {other['activations'] / GiB:.2f} GiB "
-                                 f"{'with' if other['checkpointed'] else 'without'}" if other else ""),
-             f"  peak         {plan['peak'] / GiB:.2f} GiB (torch's MemTracker)"
-             + (f", {other['peak'] / GiB:.2f} GiB {'with' if other['checkpointed'] else 'without'} checkpointing"
-                if other else "") + f"; an {gpu.name} has {gpu.memory / GiB:.1f} GiB",
+             activations,
+             peak,
              f"  {'collectives of one step':<46}{'count':>6}{'bytes each':>13}{'sent':>13}"]
     for row in plan["tally"]:
         link = "NVLink" if plan["estimate"]["links"].get(row["group"]) == "nvlink" else "network"
@@ -328,8 +354,10 @@ def report(plan, gpu):
 def model_config(args):
     """The GPT to plan for: a named shape (utils/gpt.SHAPES; "cpu" and "gpu" with the vocabulary of --text or of the
     help pages), with any of --layers, --heads, --width, --vocab, --context, --experts and --top_k changed."""
-    config = SHAPES.get(args.size) or dataclasses.replace(
-        SIZES[args.size], vocab_size=len(set(load_text(args.text, 0)[1])))
+    if args.size in SHAPES:
+        config = SHAPES[args.size]
+    else:
+        config = dataclasses.replace(SIZES[args.size], vocab_size=len(set(load_text(args.text, 0)[1])))
     changes = dict(n_layer=args.layers, n_head=args.heads, n_embd=args.width, vocab_size=args.vocab,
                    context=args.context, experts=args.experts, top_k=args.top_k)
     config = dataclasses.replace(config, dropout=0.0, **{key: value for key, value in changes.items() if value})
@@ -379,13 +407,15 @@ def plan_job(args, say=print):
     # One rank of each kind: a pipeline's first rank (the embedding) and its last (the head); elsewhere all are alike.
     ranks = args.ranks or ([0] if args.pp == 1 else [0, (args.pp - 1) * dp * args.tp])
     ranks = range(args.world) if ranks == "all" else ranks
-    shape = " x ".join(f"{name} {size}" for name, size in (("pp", args.pp), ("dp", dp), ("tp", args.tp),
-                                                           ("ep", args.ep)) if size > 1 or name == "dp")
-    say(f"plan: a GPT of {config.n_layer} blocks, {config.n_head} heads, {config.n_embd} wide, a vocabulary of "
-        f"{config.vocab_size:,}, a context of {config.context:,}"
-        + (f", {config.experts} experts (top {config.top_k})" if config.experts else "")
-        + f"; {args.world:,} ranks as {args.step}.py ({STEPS[args.step]}) lays them out: {shape}; {args.batch_size} "
-        f"sequences a dp rank a step in {args.microbatches} micro-batches, {args.precision}")
+    # The mesh's dimensions, dp always, the others where they split the job: "pp 8 x dp 16 x tp 8".
+    sizes = {"pp": args.pp, "dp": dp, "tp": args.tp, "ep": args.ep}
+    shape = " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1 or name == "dp")
+    gpt_line = (f"a GPT of {config.n_layer} blocks, {config.n_head} heads, {config.n_embd} wide, a vocabulary of "
+                f"{config.vocab_size:,}, a context of {config.context:,}")
+    if config.experts:
+        gpt_line += f", {config.experts} experts (top {config.top_k})"
+    say(f"plan: {gpt_line}; {args.world:,} ranks as {args.step}.py ({STEPS[args.step]}) lays them out: {shape}; "
+        f"{args.batch_size} sequences a dp rank a step in {args.microbatches} micro-batches, {args.precision}")
     say(f"each rank below is traced alone in this process (torch's fake process group stands in for the others, fake "
         f"tensors for the memory); {COUNTED[args.step]}")
     plans = []
@@ -395,8 +425,9 @@ def plan_job(args, say=print):
         plan["estimate"] = estimate(plan, config, args, gpu)
         if args.step == "one_mesh" and args.compare_checkpointing:
             # The same rank with activation checkpointing switched over (one_mesh.py's option): its memory alone.
-            other = plan_rank(rank, config, Namespace(**dict(
-                vars(args), checkpoint_activations=not args.checkpoint_activations)), count=False)
+            switched = Namespace(**vars(args))
+            switched.checkpoint_activations = not args.checkpoint_activations
+            other = plan_rank(rank, config, switched, count=False)
             plan["other"] = {key: other[key] for key in ("checkpointed", "activations", "peak")}
         say(report(plan, gpu))
         plans.append(plan)

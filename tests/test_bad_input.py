@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from expect import LIBRARY_NOISE, snapshot_of, stopped_as_rank_0
-from harness.jobs import output, python, run, script, torchrun
+from harness.jobs import free_port, output, python, run, script, torchrun, torchrun_node
 from harness.stepdiff import steps
 
 STEPS = steps()
@@ -76,11 +76,40 @@ def test_more_spawned_processes_than_gpus_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("step", TORCHRUN_STEPS)
-def test_more_torchrun_processes_than_gpus_is_refused(monkeypatch, step):
+def test_more_torchrun_processes_than_gpus_is_refused_once_on_each_node_with_what_to_do(monkeypatch, capsys, step):
+    """Every rank of a machine counts the same GPUs: local rank 0 says it (what it found and what to do), the other
+    ranks stop with the same exit code and say nothing (each of them printed the line until it was said once)."""
+    import utils.launch
+
     pretend_one_gpu(monkeypatch)
-    for name, value in {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "RANK": "1", "WORLD_SIZE": "2"}.items():
+    monkeypatch.setattr(utils.launch, "SPEAKER_GRACE_S", 0)
+    for name, value in {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "RANK": "2", "WORLD_SIZE": "4"}.items():
         monkeypatch.setenv(name, value)
-    assert "2 processes on this machine but 1 GPU(s)" in str(run_main(monkeypatch, step, "2", "1"))
+    said = str(run_main(monkeypatch, step, "2", "1"))
+    assert said == ("error: 2 processes on this machine but 1 GPU(s): one process per GPU (--nproc_per_node=gpu), so "
+                    "start 1 or fewer; or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run 2 on the CPU"), said
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    capsys.readouterr()
+    assert run_main(monkeypatch, step, "2", "1").code == 1
+    assert capsys.readouterr() == ("", "")
+
+
+def test_a_bad_argument_is_said_by_local_rank_0_of_each_node_at_torchruns_first_attempt_only(monkeypatch, capsys):
+    """argparse's error, through utils.launch.errors_said_once: said on every node (each node's terminal says why its
+    torchrun stopped), by its local rank 0, and only at torchrun's first attempt (the same arguments come back at
+    every restart); every other worker exits 2 without a word."""
+    import utils.launch
+
+    monkeypatch.setattr(utils.launch, "SPEAKER_GRACE_S", 0)
+    said = {}
+    for local_rank, rank, attempt in [("0", "2", "0"), ("1", "3", "0"), ("0", "0", "1"), ("0", "2", "1")]:
+        for name, value in {"LOCAL_RANK": local_rank, "RANK": rank, "TORCHELASTIC_RESTART_COUNT": attempt}.items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        assert run_main(monkeypatch, "multinode.py", "2", "1", "--batch_size", "0").code == 2
+        said[local_rank, rank, attempt] = capsys.readouterr().err
+    assert "multinode.py: error: argument --batch_size: must be at least 1, got 0" in said["0", "2", "0"], said
+    assert said["1", "3", "0"] == said["0", "0", "1"] == said["0", "2", "1"] == "", said
 
 
 @pytest.mark.parametrize("step", TORCHRUN_STEPS)
@@ -162,14 +191,12 @@ def test_a_context_longer_than_the_help_pages_can_hold_stops_with_one_line_befor
 
 
 # A mistake that every rank meets alike, in the README's commands on 2 ranks: each case the step, its arguments, and
-# the one line it must print (a bad argument is said by rank 0, through utils.launch.errors_said_once; a check before
-# the process group forms, and a snapshot's resume after it, by local rank 0, through said_once_per_node).
+# the one line it must print (a bad argument is said by local rank 0, through utils.launch.errors_said_once; a check
+# before the process group forms, and a snapshot's resume after it, by local rank 0, through said_once_per_node).
 NOT_A_SNAPSHOT = b"\x00not a snapshot\xff" * 64
+DAMAGED = ("error: cannot resume from snapshot.pt (UnpicklingError: not a file of tensors torch.load can read safely "
+           "(Unsupported operand 0)); it is left in place: move it away to start anew")
 SAID_ONCE = {
-    "a damaged snapshot (step 3)": (
-        ("multigpu_torchrun.py", 50, 10),
-        "error: cannot resume from snapshot.pt (UnpicklingError: not a file of tensors torch.load can read safely "
-        "(Unsupported operand 0)); it is left in place: move it away to start anew"),
     "a finished job run again (step 3)": (
         ("multigpu_torchrun.py", 3, 1),
         "error: snapshot.pt holds 3 epochs already, and TOTAL_EPOCHS is 3: nothing to train. Ask for more epochs, or "
@@ -188,6 +215,11 @@ SAID_ONCE = {
         ("one_mesh.py", 1, 1, "--tp", 3),
         "error: --pp 2 x --tp 3 = 6 does not divide the 2 processes: they form grids of pp x tp, dp of them"),
 }
+# The cases torchrun starts again after each failure (--max_restarts=1, as the fault pages start a job): no restart can
+# fix them, and each attempt meets the mistake again; it is said at the first one (an argument by errors_said_once; a
+# check and a resume by said_once_per_node, which counts the lines said in torchrun's store).
+RESTARTED = {"a finished job run again (step 3)", "an option of another strategy (step 5)",
+             "a schedule argparse does not know (step 8)"}
 
 
 def workers_lines(said):
@@ -195,26 +227,43 @@ def workers_lines(said):
     return said.split("Traceback (most recent call last):")[0]
 
 
+def assert_said_once(case, said, code, line):
+    workers = workers_lines(said)
+    assert code not in (0, None), (case, said[-3000:])
+    errors = [said_line for said_line in output.own_lines(workers) if "error:" in said_line]
+    assert errors == [line], (case, said[-3000:])
+    assert workers.count("usage: ") == ("error: argument" in errors[0]), (case, said[-3000:])
+    assert not LIBRARY_NOISE.search(workers) and not output.epoch_losses(said), (case, said[-3000:])
+
+
 @pytest.mark.slow
 def test_a_mistake_every_rank_meets_is_said_once_and_the_job_exits_non_zero(tmp_path):
     """The cases above, each a job of 2 ranks, all at once (each stops within seconds): every job exits non-zero, and
     its workers print the one line once (every rank printed it, a usage line with each argparse error, until the
     steps said it once), no traceback or library line of theirs, and no epoch line; each snapshot is left as it was.
-    (A finished job run again used to exit 0 having done nothing, as the official tutorial does.)"""
-    folders = [tmp_path / str(case) for case in range(len(SAID_ONCE))]
+    Those torchrun starts again say it at its first attempt only (each attempt said it again). And a damaged snapshot
+    on both nodes of a two-node job (step 4, one rank a node, each its own disk, --max_restarts=1): each node's
+    terminal says it once. (A finished job run again used to exit 0 having done nothing, as the official tutorial
+    does.)"""
+    folders = [tmp_path / str(case) for case in range(len(SAID_ONCE) + 2)]
     for folder in folders:
         folder.mkdir()
-    (folders[0] / "snapshot.pt").write_bytes(NOT_A_SNAPSHOT)
-    torch.save(snapshot_of(3), folders[1] / "snapshot.pt")
+    torch.save(snapshot_of(3), folders[0] / "snapshot.pt")
+    for node_folder in folders[-2:]:
+        (node_folder / "snapshot.pt").write_bytes(NOT_A_SNAPSHOT)
     snapshots = {path: path.read_bytes() for path in tmp_path.glob("*/snapshot.pt")}
-    job = run(*(torchrun(*command, nproc=2) for command, _ in SAID_ONCE.values()), cwd=folders, timeout=300,
-              check=False)
-    for node, (case, (command, line)) in enumerate(SAID_ONCE.items()):
+    restarts = ["--max_restarts=1"]
+    commands = [torchrun(*command, nproc=2, launcher_args=restarts if case in RESTARTED else ())
+                for case, (command, _) in SAID_ONCE.items()]
+    endpoint = f"127.0.0.1:{free_port()}"
+    commands += [torchrun_node("multinode.py", 50, 10, endpoint=endpoint, launcher_args=restarts) for _ in range(2)]
+    job = run(*commands, cwd=folders, timeout=300, check=False)
+    for node, (case, (_, line)) in enumerate(SAID_ONCE.items()):
         said = job.node_output(node)
-        workers = workers_lines(said)
-        assert job.codes[node] not in (0, None), (case, said[-3000:])
-        errors = [said_line for said_line in output.own_lines(workers) if "error:" in said_line]
-        assert errors == [line], (case, said[-3000:])
-        assert workers.count("usage: ") == ("error: argument" in errors[0]), (case, said[-3000:])
-        assert not LIBRARY_NOISE.search(workers) and not output.epoch_losses(said), (case, said[-3000:])
+        assert_said_once(case, said, job.codes[node], line)
+        # torchrun's line for each attempt that failed: it did start them again.
+        assert said.count("failed (exitcode: ") == (2 if case in RESTARTED else 1), (case, said[-3000:])
+    for node in (len(SAID_ONCE), len(SAID_ONCE) + 1):
+        assert_said_once(f"a damaged snapshot (step 4, node {node - len(SAID_ONCE)})", job.node_output(node),
+                         job.codes[node], DAMAGED)
     assert {path: path.read_bytes() for path in tmp_path.glob("*/snapshot.pt")} == snapshots

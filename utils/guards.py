@@ -10,28 +10,37 @@ from torch.torch_version import TorchVersion
 
 from utils.collectives import gathered_json
 from utils.gpt import size_of
+from utils.launch import stop_once_per_node
 
 
 def require_torchrun(example="torchrun --standalone --nproc_per_node=2"):
     """Stop with one clear line when a torchrun script is started wrongly.
 
     Started with plain `python`, the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE...) are missing;
-    started with more processes per machine than it has GPUs, two processes would share one GPU.
+    started with more processes per machine than it has GPUs, two processes would share one GPU: said once on each
+    node, by local rank 0 (every rank of a machine counts the same GPUs), and once for the job across torchrun's
+    restarts.
     """
     script = " ".join([os.path.basename(sys.argv[0])] + (sys.argv[1:] or ["50", "10"]))
     if "LOCAL_RANK" not in os.environ:
         raise SystemExit(f"error: start this script with torchrun, which starts and numbers the processes: "
                          f"{example} {script}")
-    require_a_gpu_each(int(os.environ["LOCAL_WORLD_SIZE"]), "--nproc_per_node=gpu")
+    try:
+        require_a_gpu_each(int(os.environ["LOCAL_WORLD_SIZE"]), "--nproc_per_node=gpu")
+    except SystemExit as stop:
+        # Every rank of this machine counts the same GPUs: one line, by local rank 0.
+        stop_once_per_node(stop.code)
 
 
 def require_a_gpu_each(processes, hint):
     """`processes`, after checking this machine has a GPU for each (DDP and FSDP run one process per GPU; two on one
     GPU would fight over it): else one clear line and exit 1, where the official tutorial silently exits 0.
     Without CUDA, any number of CPU processes."""
-    if torch.cuda.is_available() and processes > torch.cuda.device_count():
-        raise SystemExit(f"error: {processes} processes on this machine but {torch.cuda.device_count()} GPU(s): "
-                         f"one process per GPU ({hint})")
+    gpus = torch.cuda.device_count()
+    if torch.cuda.is_available() and processes > gpus:
+        raise SystemExit(f"error: {processes} processes on this machine but {gpus} GPU(s): one process per GPU "
+                         f"({hint}), so start {gpus} or fewer; or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run "
+                         f"{processes} on the CPU")
     return processes
 
 

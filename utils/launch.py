@@ -3,6 +3,7 @@ own, workers that stop with their launcher, signals passed on to the workers (an
 Ctrl-C), and a rendezvous port that is checked.
 """
 import contextlib
+import hashlib
 import multiprocessing
 import os
 import re
@@ -266,13 +267,42 @@ def stop_once(line, here, code=1):
     raise SystemExit(code)
 
 
+def said_in_an_earlier_attempt(line):
+    """Whether an earlier torchrun attempt of this job already said `line` on this node; from now on, also that this
+    one did. torchrun starts every worker again at each restart (--max_restarts), and a mistake that no restart can fix
+    (the arguments, the data, a snapshot) is met again at every attempt: said once, it is not said again. torchrun
+    (torch 2.5 and later) keeps one store for all the attempts of a job, where the lines said are counted, by node
+    (GROUP_RANK). False where there is no such store, or it does not answer: that attempt says the line too."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return False
+    key = f"said_once/{os.environ.get('GROUP_RANK', '0')}/{hashlib.sha256(line.encode()).hexdigest()}"
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=SPEAKER_GRACE_S))
+        return store.add(key, 1) > 1
+    except Exception:  # a line said twice is better than none
+        return False
+
+
+def stop_once_per_node(line):
+    """Stop this torchrun worker for a mistake that every rank of its node meets alike, before its process group forms:
+    local rank 0 says `line`, once for the job (said_in_an_earlier_attempt); the other ranks stop silently, once it has
+    had the time to (stop_once)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        stop_once(line, here=False)
+    if said_in_an_earlier_attempt(line):
+        raise SystemExit(1)
+    raise SystemExit(line)
+
+
 def errors_said_once(parser):
-    """`parser`, whose errors are said once per job. torchrun starts every worker with the same arguments, and starts
-    them all again at each restart (--max_restarts): a mistake in them would be printed by every rank of every attempt,
-    a usage block each, though no restart can fix it. Rank 0 of torchrun's first attempt prints it; every other worker
-    exits with the same code (2), silently (in the first attempt, once rank 0 has had the time to print it)."""
+    """`parser`, whose errors are said once on each node. torchrun starts every worker with the same arguments, and
+    starts them all again at each restart (--max_restarts): a mistake in them would be printed by every rank of every
+    attempt, a usage block each, though no restart can fix it. Local rank 0 of torchrun's first attempt prints it (each
+    node's terminal says why its torchrun stopped); every other worker exits with the same code (2), silently (in the
+    first attempt, once local rank 0 has had the time to print it)."""
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if os.environ.get("RANK", "0") != "0" and first_attempt:
+    if os.environ.get("LOCAL_RANK", "0") != "0" and first_attempt:
         parser.error = lambda message: stop_once(None, False, code=2)
     elif not first_attempt:
         parser.error = lambda message: parser.exit(2)
@@ -283,18 +313,23 @@ def errors_said_once(parser):
 def said_once_per_node(timeout_s):
     """Around a torchrun worker's checks that every rank of a node makes alike: before its process group forms (its
     arguments, its files), and after, the resume from a snapshot that every rank reads from the node's disk. A mistake
-    they find stops every rank, and is said once, by local rank 0. The other ranks say nothing and wait for torchrun to
-    stop them, which it does as soon as local rank 0 has exited: a rank that exited first would have torchrun stop
+    they find stops every rank, and is said once, by local rank 0, at the first attempt of the job that meets it (a
+    restart by torchrun meets it again: said_in_an_earlier_attempt). The other ranks say nothing and wait for torchrun
+    to stop them, which it does as soon as local rank 0 has exited: a rank that exited first would have torchrun stop
     local rank 0 before it said anything. One that is still waiting after timeout_s (local rank 0 found no mistake:
     the files changed between their checks) says it too, and exits. Only a stop with a line (SystemExit("error: ..."))
     is said once: a crash, with its traceback, ends each rank as it would without this."""
     try:
         yield
     except SystemExit as stop:
-        if isinstance(stop.code, str) and os.environ.get("LOCAL_RANK", "0") != "0":
+        if not isinstance(stop.code, str):
+            raise
+        if os.environ.get("LOCAL_RANK", "0") != "0":
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 time.sleep(POLL_S)
+        elif said_in_an_earlier_attempt(stop.code):
+            raise SystemExit(1) from None
         raise
 
 

@@ -55,8 +55,9 @@ class Trainer:
         self.device = device
         self.model = model.to(device)
         # Each block, then the root: one block's full weights exist at a time; each parameter becomes a 1/N shard.
-        for module in [*model.children(), model] if fsdp else []:
-            fully_shard(module, **fsdp)
+        if fsdp:
+            for module in [*model.children(), model]:
+                fully_shard(module, **fsdp)
         # After fully_shard: it steps the shards.
         self.optimizer = make_optimizer(model)
         self.train_data = train_data
@@ -64,7 +65,9 @@ class Trainer:
         self.save_every = save_every
         self.tag = f"[rank {self.global_rank}/{dist.get_world_size()} | local {self.local_rank} | {device}]"
         self.snapshot_path = snapshot_path
-        self.verbose, self.dp = verbose, fsdp["mesh"]  # dp: the ranks that split the data
+        self.verbose = verbose
+        # dp: the ranks that split the data.
+        self.dp = fsdp["mesh"]
         # Each rank draws the dropout masks of its own heads' attention weights from a generator of its own.
         self.heads = torch.Generator(device)
         for block in list(model.children())[1:-1]:
@@ -123,8 +126,9 @@ class Trainer:
 
     def _save_snapshot(self, epoch):
         # All it takes to go on exactly: the data order comes from the sampler's seed and the epoch.
-        snapshot = dict(zip(["MODEL_STATE", "OPTIMIZER_STATE"], get_state_dict(self.model, self.optimizer)),
-                        EPOCHS_RUN=epoch + 1, STEP="tensor_parallel.py")
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        snapshot = dict(MODEL_STATE=model_state, OPTIMIZER_STATE=optimizer_state, EPOCHS_RUN=epoch + 1,
+                        STEP="tensor_parallel.py")
         # Every rank writes its shards into one folder of the job's; rank 0 then swaps it in for the last snapshot.
         tmp = f"{self.snapshot_path}.{os.environ['TORCHELASTIC_RUN_ID']}.tmp"
         with replacing(self.snapshot_path, tmp, rename=self.global_rank == 0):
@@ -197,8 +201,11 @@ def main(args):
     metrics = evaluate(trainer.model, workload.eval_set, workload.loss_fn, device, group=mesh["dp"].get_group())
     # Every weight gathered whole, in the order it was split: over dp (FSDP's shards), then over tp (the slices). In
     # one go, torch would warn that it cannot merge the two all-gathers of a weight split twice along one dimension.
-    full_model = {name: value.redistribute(placements=[Replicate(), *value.placements[1:]]).full_tensor().cpu()
-                  if isinstance(value, DTensor) else value for name, value in trainer.model.state_dict().items()}
+    full_model = {}
+    for name, value in trainer.model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.redistribute(placements=[Replicate(), *value.placements[1:]]).full_tensor().cpu()
+        full_model[name] = value
     if trainer.global_rank == 0:
         print(f"{trainer.tag} held-out {len(workload.eval_set)} samples | {metrics}")
         full_path = os.path.join(os.path.dirname(args.snapshot_path), "tp_model_full.pt")  # beside the snapshot
