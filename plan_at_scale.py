@@ -256,13 +256,9 @@ def plan_rank(rank, config, args, count=True):
             peak.track_external(trainer.model, trainer.optimizer)
             saved = saved_for_backward()
             began = time.perf_counter()
-            # torch's comm-counting mode sees each collective the step calls, with its group and its tensors. FSDP
-            # warns that a layer returns a view under that mode's module hooks; no in-place operation follows, so the
-            # warning is silenced here, for every caller (the command and exercise 13's checker alike).
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-                with counting_collectives(named) if count else contextlib.nullcontext() as counting, peak:
-                    run_step(saved)
+            # torch's comm-counting mode sees each collective the step calls, with its group and its tensors.
+            with counting_collectives(named) if count else contextlib.nullcontext() as counting, peak:
+                run_step(saved)
             seconds = time.perf_counter() - began
         where = ", ".join(f"{dim} {mesh[dim].get_local_rank()}" for dim in mesh.mesh_dim_names) if mesh else "dp"
     # MemTracker's peak on the first device it tracked: the fake tensors are all on the CPU.
@@ -423,18 +419,22 @@ def plan_job(args, say=print):
     say(f"each rank below is traced alone in this process (torch's fake process group stands in for the others, fake "
         f"tensors for the memory); {COUNTED[args.step]}")
     plans = []
-    for rank in ranks:
-        plan = plan_rank(rank, config, args)
-        plan["tally"] = tallied(plan["collectives"])
-        plan["estimate"] = estimate(plan, config, args, gpu)
-        if args.step == "one_mesh" and args.compare_checkpointing:
-            # The same rank with activation checkpointing switched over (one_mesh.py's option): its memory alone.
-            switched = Namespace(**vars(args))
-            switched.checkpoint_activations = not args.checkpoint_activations
-            other = plan_rank(rank, config, switched, count=False)
-            plan["other"] = {key: other[key] for key in ("checkpointed", "activations", "peak")}
-        say(report(plan, gpu))
-        plans.append(plan)
+    # FSDP warns that a layer returns a view under the comm-counting mode's module hooks; no in-place operation
+    # follows. Silenced here, for every caller: the command, the notebook and exercise 13's checker.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+        for rank in ranks:
+            plan = plan_rank(rank, config, args)
+            plan["tally"] = tallied(plan["collectives"])
+            plan["estimate"] = estimate(plan, config, args, gpu)
+            if args.step == "one_mesh" and args.compare_checkpointing:
+                # The same rank with activation checkpointing switched over (one_mesh.py's option): its memory alone.
+                switched = Namespace(**vars(args))
+                switched.checkpoint_activations = not args.checkpoint_activations
+                other = plan_rank(rank, config, switched, count=False)
+                plan["other"] = {key: other[key] for key in ("checkpointed", "activations", "peak")}
+            say(report(plan, gpu))
+            plans.append(plan)
     largest = max(plans, key=lambda plan: plan["peak"])
     say(f"the largest peak, rank {largest['rank']}'s: {largest['peak'] / GiB:.2f} GiB, "
         f"{largest['peak'] / gpu.memory:.0%} of an {gpu.name}'s {gpu.memory / GiB:.1f} GiB")
