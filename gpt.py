@@ -27,7 +27,8 @@ from utils.loop import (WarmupCosine, add_gpt_arguments, check_options, every_ra
 def ddp_setup(timeout_s):
     # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each process it started.
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process its own GPU
+        # Before the process group forms: each process its own GPU.
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # The processes meet in torchrun's store, under keys of this attempt's own: after a restart the keys of the
     # workers that died are still there (docs/steps.md explains). A collective stuck past the timeout fails.
     dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", store=attempt_store(timeout_s),
@@ -86,7 +87,8 @@ class Trainer:
         with contextlib.nullcontext() if last else self.model.no_sync():
             with torch.autocast(self.device.type, self.dtype, enabled=self.dtype is not None):  # weights stay fp32
                 loss = self.loss_fn(self.model(source), targets)
-            self.scaler.scale(loss / micro_batches).backward()  # adds up to their mean, not K times it
+            # Each micro-batch's loss divided by K: the gradients add up to their mean, not K times it.
+            self.scaler.scale(loss / micro_batches).backward()
         if last:
             # Clip the true gradients, not fp16's scaled-up ones.
             self.scaler.unscale_(self.optimizer)

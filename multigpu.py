@@ -20,7 +20,8 @@ from utils import (WORKLOADS, configure_cpu_threads, evaluate, exit_without_tear
 
 def ddp_setup(rank, world_size, timeout_s):
     if torch.cuda.is_available():
-        torch.cuda.set_device(rank)  # before init: each process its own GPU
+        # Before the process group forms: each process its own GPU.
+        torch.cuda.set_device(rank)
     # Every process meets the others at MASTER_ADDR:MASTER_PORT; a collective stuck past the timeout fails.
     dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))

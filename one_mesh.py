@@ -58,7 +58,8 @@ EDGES = {"embed.token": RowwiseParallel(input_layouts=Replicate(), output_layout
 def ddp_setup(timeout_s):
     # torchrun has set LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each process it started.
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before init: each process its own GPU
+        # Before the process group forms: each process its own GPU.
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # The processes meet in torchrun's store, under keys of this attempt's own: after a restart the keys of the
     # workers that died are still there (docs/steps.md explains). A collective stuck past the timeout fails.
     dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", store=attempt_store(timeout_s),
